@@ -1,0 +1,15 @@
+"""mambac: a compiler for Mamba-family sequence models.
+
+Doors: ``mambac.compile(model, world_size=...)``, ``torch.compile(model, backend="mambac")`` and the
+``mambac`` command line.  See README.md.
+"""
+from mambac import ops  # noqa: F401  (registers the custom ops)
+from mambac.api import compile  # noqa: A001
+from mambac.capture import capture
+from mambac.errors import (MambacCaptureError, MambacConfigError, MambacError, MambacInputError,
+                           MambacOptionsError, MambacPassError, MambacRuntimeError)
+from mambac.options import CompileOptions
+
+__version__ = "0.1.0"
+__all__ = ["compile", "capture", "CompileOptions", "MambacError", "MambacInputError", "MambacOptionsError",
+           "MambacConfigError", "MambacCaptureError", "MambacPassError", "MambacRuntimeError"]

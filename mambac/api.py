@@ -1,0 +1,50 @@
+"""``mambac.compile``: the main door."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from mambac.errors import MambacInputError
+from mambac.lowering import bind_inputs
+from mambac.options import CompileOptions
+from mambac.runtime.compiled_module import CompiledModule
+
+
+def _input_checks(model: torch.nn.Module):
+    """Cheap checks on every call, before any kernel or collective runs."""
+    from mambac.models.lm import MambaLMHeadModel, check_token_ids
+
+    if isinstance(model, MambaLMHeadModel):
+        vocab = model.config.vocab_size
+
+        def check(values: list[Any]) -> None:
+            check_token_ids(values[0], model.config.padded_vocab_size)
+            labels = values[1] if len(values) > 1 else None
+            if labels is not None and labels.shape != values[0].shape:
+                raise MambacInputError(f"labels have shape {tuple(labels.shape)}, input_ids "
+                                       f"{tuple(values[0].shape)}; they must match.")
+        return check
+    return None
+
+
+def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequence[Any] | None = None,
+            **options: Any) -> CompiledModule:
+    """Compile ``model`` into a fused module (``world_size`` ranks; see ``CompileOptions``).
+
+    Options are validated before anything else happens.  With ``example_inputs`` (or a model that
+    provides ``example_inputs()``) the program is lowered now, so errors surface here; otherwise on
+    the first call.  The result shares the model's parameters and ``state_dict`` keys.
+    """
+    opts = CompileOptions.create(world_size=world_size, **options)
+    if not isinstance(model, torch.nn.Module):
+        raise MambacInputError(f"mambac.compile takes a torch.nn.Module, got {type(model).__name__}.")
+    if isinstance(model, CompiledModule):
+        raise MambacInputError("this module is already compiled by mambac; compile the original model "
+                               "(compiled.original_module) instead.")
+    compiled = CompiledModule(model, opts, _input_checks(model))
+    if example_inputs is None and hasattr(model, "example_inputs"):
+        example_inputs = model.example_inputs()
+    if example_inputs is not None:
+        compiled.program_for(*example_inputs)
+    return compiled

@@ -1,0 +1,80 @@
+"""Every environment knob mambac reads, in one place.
+
+The environment is read once, into a frozen ``Knobs`` value; code asks ``knobs()`` for it and never
+reads ``os.environ`` itself.  ``override(...)`` replaces values in code (tests, the CLI) and restores
+them on exit.  The table of knobs lives in docs/knobs.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+
+def _flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "mambac")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    debug: bool = False            # MAMBAC_DEBUG: extra cross-rank checks, verbose errors
+    verify: bool = False           # MAMBAC_VERIFY: run the graph verifier after every pass
+    dump_dir: str | None = None    # MAMBAC_DUMP_DIR: write the printed graph after every pass here
+    disable_passes: tuple[str, ...] = ()  # MAMBAC_DISABLE_PASSES=a,b: skip these passes by name
+    cache_dir: str = ""            # MAMBAC_CACHE_DIR: generated kernels and autotune choices
+    logs: str | None = None        # MAMBAC_LOGS: logging level for the "mambac" logger (e.g. info, debug)
+    kernels: str = "auto"          # MAMBAC_KERNELS: auto | triton | reference
+
+
+def _from_env() -> Knobs:
+    disabled = tuple(p.strip() for p in os.environ.get("MAMBAC_DISABLE_PASSES", "").split(",") if p.strip())
+    return Knobs(
+        debug=_flag("MAMBAC_DEBUG"),
+        verify=_flag("MAMBAC_VERIFY"),
+        dump_dir=os.environ.get("MAMBAC_DUMP_DIR") or None,
+        disable_passes=disabled,
+        cache_dir=os.environ.get("MAMBAC_CACHE_DIR") or _default_cache_dir(),
+        logs=os.environ.get("MAMBAC_LOGS") or None,
+        kernels=(os.environ.get("MAMBAC_KERNELS") or "auto").strip().lower(),
+    )
+
+
+_current: Knobs | None = None
+
+
+def knobs() -> Knobs:
+    """The knobs in force (read from the environment on first use)."""
+    global _current
+    if _current is None:
+        _current = _from_env()
+    return _current
+
+
+def reload() -> Knobs:
+    """Re-read the environment (tests that set variables call this)."""
+    global _current
+    _current = _from_env()
+    return _current
+
+
+@contextlib.contextmanager
+def override(**values) -> Iterator[Knobs]:
+    """Temporarily replace some knobs in code: ``with override(verify=True): ...``."""
+    global _current
+    old = knobs()
+    _current = dataclasses.replace(old, **values)
+    try:
+        yield _current
+    finally:
+        _current = old

@@ -1,0 +1,122 @@
+"""Reference causal LM: embedding, residual blocks with add+RMSNorm, optional gated MLP, tied head.
+
+Module and parameter names follow mamba_ssm's ``MambaLMHeadModel`` (``backbone.embedding``,
+``backbone.layers.{i}.mixer``/``.norm``/``.mlp``/``.norm2``, ``backbone.norm_f``, ``lm_head``) so a
+mamba_ssm checkpoint loads with ``load_state_dict`` as it is.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mambac import ops
+from mambac.errors import MambacInputError
+from mambac.models.config import MambaConfig
+from mambac.models.layers import GatedMLP, RMSNorm
+
+
+def make_mixer(config: MambaConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
+    kw = dict(config.mixer_kwargs(), layer_idx=layer_idx, device=device, dtype=dtype)
+    if config.layer == "Mamba1":
+        from mambac.models.mamba1 import Mamba
+        return Mamba(config.d_model, **kw)
+    if config.layer == "Mamba2":
+        from mambac.models.mamba2 import Mamba2
+        return Mamba2(config.d_model, **kw)
+    from mambac.models.mamba3 import Mamba3
+    return Mamba3(config.d_model, **kw)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: (hidden, residual) → mixer(norm(hidden + residual)), new residual."""
+
+    def __init__(self, config: MambaConfig, layer_idx: int, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.residual_in_fp32 = config.residual_in_fp32
+        self.norm = RMSNorm(config.d_model, eps=config.norm_epsilon, **kw)
+        self.mixer = make_mixer(config, layer_idx, **kw)
+        if config.d_intermediate > 0:
+            self.norm2 = RMSNorm(config.d_model, eps=config.norm_epsilon, **kw)
+            self.mlp = GatedMLP(config.d_model, hidden_features=config.d_intermediate, out_features=config.d_model, **kw)
+        else:
+            self.mlp = None
+
+    def _enter(self, hidden, residual, norm: RMSNorm):
+        # Written unfused (add, then norm); fuse_ssm folds the add into add_rmsnorm.
+        total = hidden if residual is None else hidden + residual
+        return ops.add_rmsnorm(total, None, norm.weight, norm.eps, self.residual_in_fp32)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        hidden_states, residual = self._enter(hidden_states, residual, self.norm)
+        hidden_states = self.mixer(hidden_states)
+        if self.mlp is not None:
+            hidden_states, residual = self._enter(hidden_states, residual, self.norm2)
+            hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
+
+
+class MixerModel(nn.Module):
+    def __init__(self, config: MambaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        kw = dict(device=device, dtype=dtype)
+        self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, **kw)
+        self.layers = nn.ModuleList([Block(config, i, **kw) for i in range(config.n_layer)])
+        self.norm_f = RMSNorm(config.d_model, eps=config.norm_epsilon, **kw)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embedding(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual)
+        total = hidden_states + residual
+        return ops.add_rmsnorm(total, None, self.norm_f.weight, self.norm_f.eps, self.config.residual_in_fp32)[0]
+
+
+class MambaLMHeadModel(nn.Module):
+    """The reference causal LM.  ``forward(input_ids)`` gives logits (batch, seqlen, padded vocab);
+    ``forward(input_ids, labels)`` gives the mean next-token cross-entropy (labels already shifted,
+    ``-100`` ignored)."""
+
+    def __init__(self, config: MambaConfig, initializer_range: float = 0.02, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.backbone = MixerModel(config, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+        self._init_weights(initializer_range)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+
+    def _init_weights(self, std: float) -> None:
+        n_residuals = 2 if self.config.d_intermediate > 0 else 1
+        with torch.no_grad():
+            nn.init.normal_(self.backbone.embedding.weight, std=std)
+            for name, mod in self.named_modules():
+                if isinstance(mod, nn.Linear) and mod.bias is not None and not name.endswith("dt_proj"):
+                    nn.init.zeros_(mod.bias)
+                if name.endswith("out_proj") or name.endswith("fc2"):
+                    nn.init.kaiming_uniform_(mod.weight, a=math.sqrt(5))
+                    mod.weight /= math.sqrt(n_residuals * self.config.n_layer)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.backbone(input_ids)
+        logits = self.lm_head(hidden)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    def example_inputs(self, batch: int = 2, seqlen: int = 16, device=None) -> tuple[torch.Tensor]:
+        """Random token ids of the given size (used to capture shapes when none are given)."""
+        return (torch.randint(0, self.config.vocab_size, (batch, seqlen), device=device),)
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Clear error for token ids outside the vocabulary (before any kernel or collective runs)."""
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise MambacInputError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}.")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise MambacInputError(f"input_ids hold ids outside [0, {vocab_size}): min {int(input_ids.min())}, "
+                               f"max {int(input_ids.max())}. Check the tokenizer matches the model's vocabulary.")

@@ -1,0 +1,95 @@
+"""Compile options: one dataclass, validated before anything is captured or changed.
+
+``CompileOptions.create(**kwargs)`` rejects unknown names (suggesting the closest known one),
+values of the wrong kind, and contradictory combinations, each with a ``MambacOptionsError`` that
+says what to do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+from mambac.errors import MambacOptionsError
+
+REMAT_MODES = ("none", "full", "auto")
+KERNEL_MODES = ("auto", "triton", "reference")
+OUTPUT_MODES = ("full", "sharded")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of ``mambac.compile`` (and the torch.compile backend, and the CLI).
+
+    world_size: ranks the program is lowered for; tp/dp/cp: the mesh (tp defaults to
+    world_size // (dp*cp)); sequence_parallel: Megatron sequence parallelism over tp; remat and
+    memory_budget: rematerialisation; kernels: 'auto' (Triton on CUDA, reference ops on CPU),
+    'triton' or 'reference'; output: 'full' (gathered on every rank) or 'sharded'; verify/dump_dir/
+    disable_passes override the MAMBAC_VERIFY/MAMBAC_DUMP_DIR/MAMBAC_DISABLE_PASSES knobs.
+    """
+
+    world_size: int = 1
+    tp: int | None = None
+    dp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    remat: str = "none"
+    memory_budget: int | None = None
+    kernels: str = "auto"
+    output: str = "full"
+    verify: bool | None = None
+    dump_dir: str | None = None
+    disable_passes: tuple[str, ...] = ()
+
+    @classmethod
+    def create(cls, **kwargs) -> "CompileOptions":
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise MambacOptionsError(f"unknown compile option '{key}'.{hint} Known options: {', '.join(names)}.")
+        if "disable_passes" in kwargs and isinstance(kwargs["disable_passes"], str):
+            kwargs["disable_passes"] = tuple(p for p in kwargs["disable_passes"].split(",") if p)
+        opts = cls(**kwargs)
+        opts._validate()
+        if opts.tp is None:
+            opts = dataclasses.replace(opts, tp=opts.world_size // (opts.dp * opts.cp))
+        return opts
+
+    def _validate(self) -> None:
+        for name in ("world_size", "dp", "cp") + (("tp",) if self.tp is not None else ()):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise MambacOptionsError(f"{name} must be a positive integer, got {v!r}.")
+        tp = self.tp if self.tp is not None else self.world_size // (self.dp * self.cp)
+        if tp * self.dp * self.cp != self.world_size or tp < 1:
+            raise MambacOptionsError(
+                f"the mesh tp={self.tp if self.tp is not None else '?'} × dp={self.dp} × cp={self.cp} does not "
+                f"multiply to world_size={self.world_size}; choose factors whose product is the world size.")
+        _choice("remat", self.remat, REMAT_MODES)
+        _choice("kernels", self.kernels, KERNEL_MODES)
+        _choice("output", self.output, OUTPUT_MODES)
+        if self.sequence_parallel and tp == 1:
+            raise MambacOptionsError("sequence_parallel=True needs tensor parallelism (tp > 1): it shards the "
+                                     "residual stream over the tp ranks. Set tp or drop sequence_parallel.")
+        if self.memory_budget is not None and self.remat != "auto":
+            raise MambacOptionsError("memory_budget is only used with remat='auto'; set remat='auto' or drop it.")
+        if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
+            raise MambacOptionsError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}.")
+        self._check_supported(tp)
+
+    def _check_supported(self, tp: int) -> None:
+        """Reject what this version cannot do yet, rather than silently ignoring it."""
+        if self.world_size > 1:
+            raise MambacOptionsError(
+                f"world_size={self.world_size}: multi-rank lowering (tensor, sequence, context and data "
+                "parallelism) is not available in this version of mambac; compile with world_size=1.")
+        if self.remat != "none":
+            raise MambacOptionsError(f"remat='{self.remat}' is not available in this version of mambac; "
+                                     "use remat='none'.")
+
+
+def _choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise MambacOptionsError(f"{name} must be one of {list(allowed)}, got {value!r}.")
