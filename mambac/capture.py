@@ -29,12 +29,17 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.path_stack: list[tuple[str, str]] = [("", "")]
+        self.failed_at: tuple[str, str] | None = None  # innermost module active when tracing failed
 
     def call_module(self, m: torch.nn.Module, forward, args, kwargs):
         path = self.path_of_module(m)
         self.path_stack.append((path, type(m).__name__))
         try:
             return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                self.failed_at = self.path_stack[-1]
+            raise
         finally:
             self.path_stack.pop()
 
@@ -104,7 +109,7 @@ def trace_with(model: torch.nn.Module, concrete: dict) -> torch.fx.GraphModule:
     except MambacCaptureError:
         raise
     except Exception as exc:  # fx raises many types; all become one clear error
-        raise _explain(exc, tracer.path_stack[-1]) from exc
+        raise _explain(exc, tracer.failed_at or ("", type(model).__name__)) from exc
     _drop_specialisation_asserts(graph)
     return torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__ + "Graph")
 

@@ -287,6 +287,7 @@ def mamba3_siso(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, adt: Tensor, trap: 
     state = as_state(initial_state)
     if not isinstance(x, torch.fx.Proxy):
         validate(x, B, C, dt, adt, trap, angles, B_bias, C_bias, D, z, state, chunk_size)
-    y, *final = torch.ops.mambac.mamba3_siso(x, B, C, dt, adt, trap, angles, B_bias, C_bias, D, z, *state,
+    out = torch.ops.mambac.mamba3_siso(x, B, C, dt, adt, trap, angles, B_bias, C_bias, D, z, *state,
                                              chunk_size)
-    return (y, Mamba3State(*final)) if return_final_state else y
+    # index rather than unpack: under fx tracing ``out`` is a Proxy, which cannot be iterated
+    return (out[0], Mamba3State(out[1], out[2], out[3], out[4])) if return_final_state else out[0]

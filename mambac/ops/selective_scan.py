@@ -12,9 +12,10 @@ optional), per channel and state index:
 Returns ``(out, last_state)``: out has u's dtype, last_state = h_L (batch, dim, dstate) is fp32
 (float64 when an input is float64), as is every step of the recurrence.
 
-The reference runs the linear recurrence as a parallel prefix scan (Hillis-Steele doubling over
-time, ceil(log2 seqlen) vectorised steps).  It only ever multiplies decays (each <= 1 for negative
-A), never divides by them, so it cannot overflow the way a cumulative-product-and-divide form can.
+The reference runs the linear recurrence as a blocked parallel prefix scan (see ``linear_scan``):
+vectorised over time, a few passes over the state tensor.  It only ever multiplies decays (each
+<= 1 for negative A), never divides by them, so it cannot overflow the way a
+cumulative-product-and-divide form can.
 """
 from __future__ import annotations
 
@@ -31,22 +32,41 @@ OP = "selective_scan"
 SCHEMA = ("(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
           "Tensor? delta_bias, Tensor? initial_state, bool delta_softplus) -> (Tensor out, Tensor last_state)")
 ARG_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "delta_softplus")
+SCAN_BLOCK = 32  # steps per block of the two-level scan in ``linear_scan``
 
 
-def linear_scan(decay: Tensor, drive: Tensor) -> Tensor:
-    """All states of h_t = decay_t * h_{t-1} + drive_t (h before step 0 is zero) along the last dim.
+def _doubling_scan(decay: Tensor, drive: Tensor) -> tuple[Tensor, Tensor]:
+    """Hillis-Steele scan of h_t = decay_t * h_{t-1} + drive_t (h before step 0 is zero), last dim.
 
     After the step with offset k, ``drive[t]`` holds the recurrence folded over the window
     (t - 2k, t] and ``decay[t]`` the product of the decays over that window; windows double until
-    they cover the whole prefix.
+    they cover the whole prefix.  Returns (decay product from step 0 to t, h_t).
     """
     k, L = 1, decay.shape[-1]
     while k < L:
         drive = torch.cat([drive[..., :k], drive[..., k:] + decay[..., k:] * drive[..., :-k]], dim=-1)
-        if 2 * k < L:  # the last step's decays are never read
-            decay = torch.cat([decay[..., :k], decay[..., k:] * decay[..., :-k]], dim=-1)
+        decay = torch.cat([decay[..., :k], decay[..., k:] * decay[..., :-k]], dim=-1)
         k *= 2
-    return drive
+    return decay, drive
+
+
+def linear_scan(decay: Tensor, drive: Tensor, block: int = SCAN_BLOCK) -> Tensor:
+    """All states of h_t = decay_t * h_{t-1} + drive_t (h before step 0 is zero) along the last dim.
+
+    Two levels: a doubling scan inside blocks of ``block`` steps (all blocks at once), then the
+    same scan, recursively, over the blocks' end states to get each block's incoming state, which
+    reaches step t scaled by the decay product from the block start.  This needs about
+    log2(block) + 1 passes over the full tensor instead of log2(seqlen).
+    """
+    L = decay.shape[-1]
+    if L <= block:
+        return _doubling_scan(decay, drive)[1]
+    pad = (-L) % block  # padded steps sit after the last real one and are sliced away
+    cum, local = _doubling_scan(F.pad(decay, (0, pad), value=1.0).unflatten(-1, (-1, block)),
+                                F.pad(drive, (0, pad)).unflatten(-1, (-1, block)))
+    ends = linear_scan(cum[..., -1], local[..., -1], block)          # state after each block
+    incoming = F.pad(ends[..., :-1], (1, 0)).unsqueeze(-1)          # state entering each block
+    return (local + cum * incoming).flatten(-2)[..., :L]
 
 
 def _per_channel(M: Tensor, dim: int) -> Tensor:

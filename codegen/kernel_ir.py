@@ -1,0 +1,123 @@
+"""The kernel IR for a fused SSD (Mamba-2 chunked scan) region.
+
+A region is what the fusion passes decided around one ``mambac::ssd`` node: which prologue steps
+act on dt (bias, softplus, clamp), which epilogue steps act on y (D skip, z gate), whether an
+initial state comes in, the dtypes and the chunk size.  Renderers read only this value, so two
+calls with equal regions share generated kernels; everything shape-dependent (sizes, strides) is
+a runtime argument and tile sizes are a ``TileConfig`` chosen by autotune.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+# io dtype name -> (torch dtype, Triton dtype expression)
+IO_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "bf16": (torch.bfloat16, "tl.bfloat16"),
+    "fp16": (torch.float16, "tl.float16"),
+    "fp32": (torch.float32, "tl.float32"),
+}
+D_MODES = ("none", "head", "head_dim")
+
+
+def io_name(dtype: torch.dtype) -> str:
+    """The IR name of a torch dtype usable as the io dtype (raises for others)."""
+    for name, (td, _) in IO_DTYPES.items():
+        if td == dtype:
+            return name
+    raise ValueError(f"no generated SSD kernels for dtype {dtype}; supported: bf16, fp16, fp32")
+
+
+@dataclass(frozen=True)
+class SSDRegion:
+    """One fused SSD region: prologue, core, epilogue, dtypes, chunk size.
+
+    Invariants: ``d_mode`` is one of ``D_MODES``; ``io_dtype`` is a key of ``IO_DTYPES`` and is
+    the dtype of x, B, C and z (and of every matmul operand); state and decay math is fp32.
+    """
+
+    has_dt_bias: bool
+    dt_softplus: bool
+    dt_clamp: bool
+    d_mode: str
+    has_z: bool
+    has_initial_state: bool
+    io_dtype: str
+    chunk_size: int
+    dot_precision: str = "auto"  # "auto": ieee for fp32 io, tensor cores for half types
+
+    def __post_init__(self) -> None:
+        if self.d_mode not in D_MODES:
+            raise ValueError(f"d_mode must be one of {D_MODES}, got {self.d_mode!r}")
+        if self.io_dtype not in IO_DTYPES:
+            raise ValueError(f"io_dtype must be one of {tuple(IO_DTYPES)}, got {self.io_dtype!r}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+
+    @property
+    def tl_io(self) -> str:
+        return IO_DTYPES[self.io_dtype][1]
+
+    @property
+    def torch_io(self) -> torch.dtype:
+        return IO_DTYPES[self.io_dtype][0]
+
+    @property
+    def chunk_pow2(self) -> int:
+        """The chunk rounded up to a power of two (Triton ranges need one)."""
+        return 1 << max(self.chunk_size - 1, 0).bit_length()
+
+    def dot_kwargs(self) -> str:
+        """Extra keyword text for every ``tl.dot`` in generated code."""
+        prec = self.dot_precision
+        if prec == "auto":
+            prec = "ieee" if self.io_dtype == "fp32" else ""
+        return f', input_precision="{prec}"' if prec else ""
+
+    def summary(self) -> str:
+        """A one-line description for headers of generated files and for error messages."""
+        flags = [f for f, on in (("dt_bias", self.has_dt_bias), ("softplus", self.dt_softplus),
+                                 ("clamp", self.dt_clamp), ("z", self.has_z),
+                                 ("init", self.has_initial_state)) if on]
+        return (f"ssd chunk={self.chunk_size} io={self.io_dtype} D={self.d_mode} "
+                f"flags=[{','.join(flags)}] dot={self.dot_precision}")
+
+
+def region_for(x: torch.Tensor, chunk_size: int, *, D: Optional[torch.Tensor], z: Any, dt_bias: Any,
+               initial_state: Any, dt_softplus: bool, dt_min: float, dt_max: float,
+               dot_precision: str = "auto") -> SSDRegion:
+    """The region that an eager ``ssd`` call with these arguments describes."""
+    d_mode = "none" if D is None else ("head" if D.dim() == 1 else "head_dim")
+    return SSDRegion(
+        has_dt_bias=dt_bias is not None, dt_softplus=bool(dt_softplus),
+        dt_clamp=(float(dt_min), float(dt_max)) != (0.0, float("inf")), d_mode=d_mode,
+        has_z=z is not None, has_initial_state=initial_state is not None,
+        io_dtype=io_name(x.dtype), chunk_size=int(chunk_size), dot_precision=dot_precision)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch shape of one generated kernel (what autotune picks).
+
+    ``heads`` changes the rendered source (heads handled per program, unrolled); ``splits`` is how
+    many programs share one group's heads (their partial sums are added afterwards); the block
+    sizes are constexpr arguments; ``num_warps``/``num_stages`` go to the launch.
+    """
+
+    block_m: int = 64
+    block_k: int = 64
+    heads: int = 1
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "TileConfig":
+        return TileConfig(**json.loads(text))
