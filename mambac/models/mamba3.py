@@ -56,13 +56,7 @@ class Mamba3(nn.Module):
         self.d_inner = int(expand * d_model)
         self._check_config(rope_fraction)
         self.nheads = self.d_inner // headdim
-        self.rope_fraction = rope_fraction
-        self.rotary_dim_divisor = int(2 / rope_fraction)
-        self.split_tensor_size = int(d_state * rope_fraction) // 2 * 2
-        self.num_rope_angles = self.split_tensor_size // 2
-        if self.num_rope_angles == 0:
-            raise MambacConfigError(f"Mamba3: d_state={d_state} leaves no rotary angle at rope_fraction "
-                                    f"{rope_fraction}; use d_state >= {int(2 / rope_fraction)}.")
+        self._init_rope(rope_fraction)
         self.in_proj = nn.Linear(d_model, sum(self._split_sizes()), bias=False, **factory)
         self._init_ssm_parameters(dt_min, dt_max, dt_init_floor, device)
         self.B_norm = RMSNormGated(d_state, eps=1e-5, **factory)
@@ -82,6 +76,16 @@ class Mamba3(nn.Module):
             raise MambacConfigError(f"Mamba3: rope_fraction must be 0.5 or 1.0, got {rope_fraction}.")
         if self.is_mimo and self.d_state % 2:
             raise MambacConfigError(f"Mamba3: MIMO rotates the halves of d_state; {self.d_state} is odd.")
+
+    def _init_rope(self, rope_fraction: float) -> None:
+        """Rotary sizes: a fraction of d_state (rounded down to pairs) turns, one angle per pair."""
+        self.rope_fraction = rope_fraction
+        self.rotary_dim_divisor = int(2 / rope_fraction)
+        self.split_tensor_size = int(self.d_state * rope_fraction) // 2 * 2
+        self.num_rope_angles = self.split_tensor_size // 2
+        if self.num_rope_angles == 0:
+            raise MambacConfigError(f"Mamba3: d_state={self.d_state} leaves no rotary angle at rope_fraction "
+                                    f"{rope_fraction}; use d_state >= {self.rotary_dim_divisor}.")
 
     def _init_ssm_parameters(self, dt_min: float, dt_max: float, floor: float, device) -> None:
         """Per-head parameters, fp32 whatever ``dtype`` is (as in mamba_ssm)."""

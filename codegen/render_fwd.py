@@ -1,0 +1,210 @@
+"""Renderers of the SSD forward kernels (and of their two shapes reused by the backward).
+
+Forward = three launches:
+
+1. ``ssd_chunk_state``  per (chunk, batch*head, headdim tile): dt prologue, dA cumsum (stored for
+   the other kernels), and the chunk's own state  sum_s x_s B_s^T dt_s exp(cs_end - cs_s).
+2. ``ssd_state_pass``   per (batch*head, state tile), sequential over chunks: the state entering
+   each chunk (initial state in, final state out).
+3. ``ssd_chunk_scan``   per (row tile, chunk, batch*head block): y = exp(cs_t) C_t S_in
+   + sum_{s<=t} (C_t.B_s) exp(cs_t - cs_s) dt_s x_s, then the D skip and the z gate.  A program
+   handles ``heads`` heads of one group, unrolled, so each C B^T tile is computed once for all.
+
+``ssd_chunk_state`` in mode "dstate" is the backward's  sum_t exp(cs_t) dy_t C_t^T, and
+``ssd_chunk_scan`` in mode "gate_backward" recomputes y to give dz, dy and dy.(y - D x).
+"""
+from __future__ import annotations
+
+from mambac.codegen.kernel_ir import SSDRegion
+from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dt_args, dt_call,
+                                          emit_dims, emit_dt_helpers, emit_positions, header,
+                                          load_bias, seq_tile, state_tile)
+from mambac.codegen.writer import Writer
+
+CHUNK_STATE_MODES = ("forward", "dstate")
+CHUNK_SCAN_MODES = ("forward", "gate_backward")
+
+
+def chunk_state_name(mode: str) -> str:
+    return "ssd_chunk_state" if mode == "forward" else "ssd_chunk_dstate"
+
+
+def render_chunk_state(r: SSDRegion, mode: str = "forward") -> str:
+    """Kernel 1 (forward) or the backward's per-chunk dstate reduction (mode "dstate")."""
+    if mode not in CHUNK_STATE_MODES:
+        raise ValueError(f"mode must be one of {CHUNK_STATE_MODES}")
+    fwd = mode == "forward"
+    name, q, kw = chunk_state_name(mode), r.chunk_size, r.dot_kwargs()
+    w = Writer()
+    header(w, name, r, "Per-chunk state: prologue + dA cumsum + x^T (B * decay-to-end * dt)." if fwd
+           else "Per-chunk gradient state: dy^T (C * exp(cs)).")
+    if fwd:
+        emit_dt_helpers(w, r)
+        args = ["x_ptr", "dt_ptr", "a_ptr", "b_ptr"] + dt_args(r) + ["states_ptr", "dtp_ptr", "cs_ptr"]
+        args += ["L", "H", "HPG", "NC", "P", "N", "sxb", "sxl", "sxh", "sdb", "sdl", "sdh",
+                 "sbb", "sbl", "sbg"]
+    else:
+        args = ["dy_ptr", "c_ptr", "cs_ptr", "dst_ptr", "L", "H", "HPG", "NC", "P", "N",
+                "scb", "scl", "scg"]
+    args += ["BT: tl.constexpr", "BP: tl.constexpr", "NP: tl.constexpr"]
+    w.line("@triton.jit")
+    with w.block(f"def {name}({', '.join(args)}):"):
+        w.lines("pid_c = tl.program_id(0)", "pid_bh = tl.program_id(1)", "pid_p = tl.program_id(2)",
+                "bi = pid_bh // H", "h = pid_bh % H", "g = h // HPG", "bi64 = bi.to(tl.int64)",
+                "offs_p = pid_p * BP + tl.arange(0, BP)", "m_p = offs_p < P",
+                "offs_n = tl.arange(0, NP)", "m_n = offs_n < N",
+                f"row = (bi64 * H + h) * (NC * {q}) + pid_c * {q}",
+                "acc = tl.zeros((BP, NP), dtype=tl.float32)")
+        if fwd:
+            w.line("a = tl.load(a_ptr + h).to(tl.float32)")
+            load_bias(w, r, "h")
+            w.lines("first = pid_p == 0", "run = a * 0.0  # cumsum of dA before this block")
+        with w.block(f"for k0 in range(0, {q}, BT):"):
+            emit_positions(w, "s", "k0", "BT", q)
+            if fwd:
+                _chunk_state_forward_body(w, r, q, kw)
+            else:
+                _chunk_state_dstate_body(w, r, q, kw)
+        out = "states_ptr" if fwd else "dst_ptr"
+        w.line(f"tl.store({out} + ((bi64 * NC + pid_c) * H + h) * P * N + offs_p[:, None] * N"
+               " + offs_n[None, :], acc, mask=m_p[:, None] & m_n[None, :])")
+    return w.source()
+
+
+def _chunk_state_forward_body(w: Writer, r: SSDRegion, q: int, kw: str) -> None:
+    w.line("d = tl.load(dt_ptr + bi64 * sdb + pos_s * sdl + h * sdh, mask=v_s, other=0.0)"
+           ".to(tl.float32)")
+    w.comment("prologue, then zero outside the sequence so padded steps neither add nor decay")
+    w.line(f"d = tl.where(v_s, {dt_call(r, 'd')}, 0.0)")
+    w.lines("da = d * a", "cs = run + tl.cumsum(da, 0)", "end = run + tl.sum(da, 0)",
+            f"tl.store(dtp_ptr + row + s, d, mask=(s < {q}) & first)",
+            f"tl.store(cs_ptr + row + s, cs, mask=(s < {q}) & first)")
+    w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + h * sxh", "pos_s", "sxl", "offs_p", "v_s",
+                               "m_p", transpose=True))
+    w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
+    w.line(f"bw = (b_s.to(tl.float32) * (d * tl.exp(end - cs))[:, None]).to({r.tl_io})")
+    w.comment("rescale what earlier blocks added to this block's end, then add this block")
+    w.line(f"acc = tl.dot(x_s, bw, acc * tl.exp(end - run){kw})")
+    w.line("run = end")
+
+
+def _chunk_state_dstate_body(w: Writer, r: SSDRegion, q: int, kw: str) -> None:
+    w.line(f"cs = tl.load(cs_ptr + row + s, mask=s < {q}, other=0.0)")
+    w.line("dy_s = tl.load(dy_ptr + ((bi64 * L + pos_s[None, :]) * H + h) * P + offs_p[:, None], "
+           "mask=v_s[None, :] & m_p[:, None], other=0.0)")
+    w.line("c_s = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_s", "scl", "offs_n", "v_s", "m_n"))
+    w.line(f"cw = (c_s.to(tl.float32) * tl.exp(cs)[:, None]).to({r.tl_io})")
+    w.line(f"acc = tl.dot(dy_s, cw, acc{kw})")
+
+
+def render_state_pass(r: SSDRegion) -> str:
+    """Kernel 2: states entering each chunk, in the io dtype; the final state in fp32."""
+    q = r.chunk_size
+    w = Writer()
+    header(w, "ssd_state_pass", r, "Inter-chunk state passing, sequential over chunks.")
+    args = ["states_ptr", "sin_ptr", "cs_ptr"] + (["init_ptr"] if r.has_initial_state else [])
+    args += ["final_ptr", "H", "NC", "PN", "BLK: tl.constexpr"]
+    w.line("@triton.jit")
+    with w.block(f"def ssd_state_pass({', '.join(args)}):"):
+        w.lines("pid = tl.program_id(0)", "pid_bh = tl.program_id(1)",
+                "bh64 = pid_bh.to(tl.int64)", "bi64 = bh64 // H", "h = pid_bh % H",
+                "offs = pid * BLK + tl.arange(0, BLK)", "m = offs < PN")
+        if r.has_initial_state:
+            w.line("s = tl.load(init_ptr + bh64 * PN + offs, mask=m, other=0.0).to(tl.float32)")
+        else:
+            w.line("s = tl.zeros((BLK,), dtype=tl.float32)")
+        with w.block("for c in range(0, NC):"):
+            w.line("idx = ((bi64 * NC + c) * H + h) * PN")
+            w.line(f"tl.store(sin_ptr + idx + offs, s.to({r.tl_io}), mask=m)")
+            w.line(f"tot = tl.load(cs_ptr + (bh64 * NC + c) * {q} + {q - 1})")
+            w.line("st = tl.load(states_ptr + idx + offs, mask=m, other=0.0)")
+            w.line("s = s * tl.exp(tot) + st")
+        w.line("tl.store(final_ptr + bh64 * PN + offs, s, mask=m)")
+    return w.source()
+
+
+def chunk_scan_name(mode: str) -> str:
+    return "ssd_chunk_scan" if mode == "forward" else "ssd_gate_backward"
+
+
+def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> str:
+    """Kernel 3 (forward output), or the backward's gate step (mode "gate_backward")."""
+    if mode not in CHUNK_SCAN_MODES:
+        raise ValueError(f"mode must be one of {CHUNK_SCAN_MODES}")
+    if mode == "gate_backward" and not r.has_z:
+        raise ValueError("the gate backward kernel exists only for regions with z")
+    name, q, kw, io = chunk_scan_name(mode), r.chunk_size, r.dot_kwargs(), r.tl_io
+    w = Writer()
+    header(w, name, r, f"Chunk output for {heads} head(s) per program"
+           + (": y = C S_in + masked (C B^T) x, D skip, z gate." if mode == "forward"
+              else ": recompute y, then dz, dy = dy_out*silu(z) and dy.(y - D x)."))
+    args = ["x_ptr", "b_ptr", "c_ptr"] + (["z_ptr"] if r.has_z else [])
+    args += ["d_ptr"] if r.d_mode != "none" else []
+    args += ["y_ptr"] if mode == "forward" else ["dyo_ptr", "dz_ptr", "dy_ptr", "stat_ptr"]
+    args += ["dtp_ptr", "cs_ptr", "sin_ptr", "L", "H", "HPG", "NC", "P", "N",
+             "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg"]
+    args += ["szb", "szl", "szh"] if r.has_z else []
+    args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
+    w.line("@triton.jit")
+    with w.block(f"def {name}({', '.join(args)}):"):
+        w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_bh = tl.program_id(2)",
+                f"bi = pid_bh // (H // {heads})", f"h0 = (pid_bh % (H // {heads})) * {heads}",
+                "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
+        emit_positions(w, "t", "pid_m * BM", "BM", q)
+        emit_dims(w)
+        w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
+        w.comment("contribution of the state entering the chunk")
+        for j in range(heads):
+            w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
+            w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
+            w.line(f"st_{j} = " + state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True))
+            w.line(f"acc_{j} = tl.dot(c_t, st_{j}.to({io}){kw}) * tl.exp(cs_t_{j})[:, None]")
+        w.comment("causal intra-chunk part; C B^T is shared by the heads of this program")
+        with w.block("for k0 in range(0, pid_m * BM + BM, BK):"):
+            emit_positions(w, "s", "k0", "BK", q)
+            w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n",
+                                       "v_s", "m_n"))
+            w.line(f"cb = tl.dot(c_t, tl.trans(b_s){kw})")
+            w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
+            for j in range(heads):
+                w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
+                w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
+                w.line(f"wj = cb * tl.exp(tl.where(causal, cs_t_{j}[:, None] - cs_s[None, :], {NEG}))"
+                       " * dt_s[None, :]")
+                w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + (h0 + {j}) * sxh", "pos_s", "sxl",
+                                           "offs_p", "v_s", "m_p"))
+                w.line(f"acc_{j} = tl.dot(wj.to({io}), x_s, acc_{j}{kw})")
+        for j in range(heads):
+            _chunk_scan_epilogue(w, r, j, mode)
+    return w.source()
+
+
+def _chunk_scan_epilogue(w: Writer, r: SSDRegion, j: int, mode: str) -> None:
+    """D skip and z gate of head j (forward), or the gate's backward (gate_backward)."""
+    h = f"h0 + {j}"
+    w.comment(f"epilogue of head {j}")
+    w.line(f"y = acc_{j}")
+    if r.d_mode != "none":
+        w.line("x_t = " + seq_tile("x_ptr", f"bi64 * sxb + ({h}) * sxh", "pos_t", "sxl", "offs_p",
+                                   "v_t", "m_p") + ".to(tl.float32)")
+        if r.d_mode == "head":
+            w.line(f"y = y + x_t * tl.load(d_ptr + {h}).to(tl.float32)")
+        else:
+            w.line(f"y = y + x_t * tl.load(d_ptr + ({h}) * P + offs_p, mask=m_p, other=0.0)"
+                   ".to(tl.float32)[None, :]")
+    if r.has_z:
+        w.line("zz = " + seq_tile("z_ptr", f"bi64 * szb + ({h}) * szh", "pos_t", "szl", "offs_p",
+                                  "v_t", "m_p") + ".to(tl.float32)")
+        w.line("sg = tl.sigmoid(zz)")
+    if mode == "forward":
+        if r.has_z:
+            w.line("y = y * zz * sg")
+        w.line(dense_store("y_ptr", "pos_t", h, "v_t", f"y.to({r.tl_io})"))
+        return
+    w.line("dyo = " + dense_tile("dyo_ptr", "pos_t", h, "v_t") + ".to(tl.float32)")
+    w.line("dz = dyo * y * sg * (1.0 + zz * (1.0 - sg))")
+    w.line("dyv = dyo * zz * sg")
+    w.line(dense_store("dz_ptr", "pos_t", h, "v_t", "dz.to(dz_ptr.dtype.element_ty)"))
+    w.line(dense_store("dy_ptr", "pos_t", h, "v_t", f"dyv.to({r.tl_io})"))
+    w.comment("dy . (y - D x): the cumsum gradient of the output side, for the dt backward")
+    w.line(f"tl.store(stat_ptr + row_{j} + t, tl.sum(dyv * acc_{j}, 1), mask=t < {r.chunk_size})")

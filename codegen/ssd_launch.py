@@ -1,0 +1,144 @@
+"""Launch machinery shared by the SSD forward and backward: sizes, candidate tiles, families.
+
+A ``Family`` is one generated kernel (a name and a renderer) whose source may depend on the tile
+config (``TileConfig.heads`` is unrolled into the source).  ``run_family`` renders and loads the
+candidates it needs, lets autotune pick one for this shape bucket and device, and launches it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mambac.codegen import autotune
+from mambac.codegen.compile import CompiledKernel, load_kernel
+from mambac.codegen.kernel_ir import SSDRegion, TileConfig
+
+
+def pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes of one SSD call (padded sizes are what Triton ranges use)."""
+
+    b: int
+    l: int
+    h: int
+    g: int
+    p: int
+    n: int
+    q: int
+
+    @property
+    def nc(self) -> int:
+        return cdiv(self.l, self.q)
+
+    @property
+    def hpg(self) -> int:
+        return self.h // self.g
+
+    @property
+    def pp(self) -> int:
+        return max(16, pow2(self.p))
+
+    @property
+    def np_(self) -> int:
+        return max(16, pow2(self.n))
+
+    def bucket(self) -> str:
+        return autotune.bucket_key(self.b, self.l, self.h, self.g, self.p, self.n, self.q)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A generated kernel: ``render(region, config)`` gives its source for a tile config."""
+
+    name: str
+    render: Callable[[SSDRegion, TileConfig], str]
+    candidates: Callable[[Dims], list[TileConfig]]
+
+
+_SOURCES: dict[tuple, str] = {}
+
+
+def source_of(fam: Family, region: SSDRegion, cfg: TileConfig) -> str:
+    key = (fam.name, region, cfg.heads)
+    if key not in _SOURCES:
+        _SOURCES[key] = fam.render(region, cfg)
+    return _SOURCES[key]
+
+
+def kernel_of(fam: Family, region: SSDRegion, cfg: TileConfig) -> CompiledKernel:
+    """Load (render -> write -> import) the kernel of ``fam`` for this config's source."""
+    src = source_of(fam, region, cfg)
+    return load_kernel(fam.name, lambda: src, region.summary())
+
+
+def run_family(fam: Family, region: SSDRegion, dims: Dims,
+               launch: Callable[[CompiledKernel, TileConfig], Any]) -> Any:
+    """Choose a config (autotune stage) and launch; returns what ``launch`` returns."""
+    cands = fam.candidates(dims)
+    family = autotune.family_key(fam.name, [source_of(fam, region, c) for c in cands], cands)
+
+    def bench(cfg: TileConfig) -> float:
+        kern = kernel_of(fam, region, cfg)
+        return autotune.time_ms(lambda: launch(kern, cfg))
+
+    cfg = autotune.choose(family, dims.bucket(), cands, bench)
+    return launch(kernel_of(fam, region, cfg), cfg)
+
+
+def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
+    return [o for o in options if n % o == 0]
+
+
+def head_block_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of the kernels that unroll several heads of a group (chunk scan, dx)."""
+    hb = _divisors(d.hpg, (4, 2, 1))
+    if autotune.interpreting():
+        return [TileConfig(block_m=16, block_k=16, heads=min(hb[0], 2), num_warps=1)]
+    big = max(d.pp, d.np_) > 128
+    out = []
+    for heads, bm, bk, warps, stages in ((2, 64, 64, 4, 2), (4, 64, 64, 8, 2), (2, 64, 32, 4, 3),
+                                         (1, 128, 64, 8, 2), (1, 64, 64, 4, 3)):
+        if heads in hb and not (big and heads > 2):
+            out.append(TileConfig(block_m=bm, block_k=bk, heads=heads, num_warps=warps,
+                                  num_stages=stages))
+    return out
+
+
+def chunk_state_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of the per-chunk state reductions: block_m is the headdim tile, block_k the steps."""
+    if autotune.interpreting():
+        return [TileConfig(block_m=d.pp, block_k=16, num_warps=1)]
+    bp = min(d.pp, 64)
+    return [TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3),
+            TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
+            TileConfig(block_m=bp, block_k=64, num_warps=8, num_stages=2)]
+
+
+def state_pass_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of the sequential passes: block_m is the number of state entries per program."""
+    if autotune.interpreting():
+        return [TileConfig(block_m=256, num_warps=1)]
+    return [TileConfig(block_m=bm, num_warps=4, num_stages=2) for bm in (256, 512, 1024)]
+
+
+def group_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of the dB / dC kernels: block_m is the square tile, splits the head splits."""
+    if autotune.interpreting():
+        return [TileConfig(block_m=16, splits=_divisors(d.hpg, (2, 1))[0], num_warps=1)]
+    out = []
+    for splits in _divisors(d.hpg, (1, 2, 4, 8)):
+        out.append(TileConfig(block_m=64, splits=splits, num_warps=4, num_stages=2))
+    out.append(TileConfig(block_m=64, splits=out[-1].splits, num_warps=8, num_stages=2))
+    return out
+
+
+def single_candidate(d: Dims) -> list[TileConfig]:
+    return [TileConfig(num_warps=1 if autotune.interpreting() else 4)]

@@ -1,0 +1,150 @@
+"""The ``mambac`` command line: dump lowered graphs, run the demo.
+
+    mambac dump MODEL [--stage NAME|all] [--format text|dot|svg] [-o FILE] [--batch B --seqlen L] [options]
+    mambac demo [--preset NAME]
+
+MODEL is a built-in preset name (``mambac dump --list``), ``path/to/file.py:factory`` (a function
+returning an nn.Module), or a local checkpoint directory.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from mambac.errors import MambacError, MambacInputError
+from mambac.knobs import knobs
+
+
+def load_model(spec: str) -> torch.nn.Module:
+    """Resolve MODEL: preset name, ``file.py:factory``, or checkpoint directory."""
+    from mambac.presets import PRESETS, build_preset
+
+    if spec in PRESETS:
+        return build_preset(spec)
+    if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
+        return _from_factory(*spec.split(":", 1))
+    if Path(spec).is_dir():
+        import mambac
+        loader = getattr(mambac, "from_pretrained", None)
+        if loader is None:
+            raise MambacInputError("loading checkpoint directories needs mambac.from_pretrained, "
+                                   "which this installation lacks.")
+        return loader(spec)
+    raise MambacInputError(f"cannot resolve model {spec!r}: give a preset ({', '.join(sorted(PRESETS))}), "
+                           "a file.py:factory, or a checkpoint directory.")
+
+
+def _from_factory(path: str, name: str) -> torch.nn.Module:
+    if not Path(path).is_file():
+        raise MambacInputError(f"no such file: {path}")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise MambacInputError(f"{path} defines no {name!r}")
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise MambacInputError(f"{path}:{name}() returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _example_inputs(model: torch.nn.Module, batch: int, seqlen: int):
+    maker = getattr(model, "example_inputs", None)
+    if maker is None:
+        raise MambacInputError(f"{type(model).__name__} has no example_inputs(batch, seqlen); "
+                               "wrap it in a factory that returns a model providing one.")
+    return maker(batch, seqlen)
+
+
+def _render(text_by_stage: list[tuple[str, str]], gm, fmt: str, stage: str) -> str:
+    if fmt == "text":
+        return "\n".join(t for _, t in text_by_stage)
+    from mambac.printer import to_dot
+    return to_dot(gm, stage)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    import mambac
+    from mambac.presets import preset_names
+
+    if args.list:
+        print("\n".join(preset_names()))
+        return 0
+    if not args.model:
+        raise MambacInputError("mambac dump needs a MODEL (or --list).")
+    if args.format == "svg" and shutil.which("dot") is None:
+        raise MambacInputError("--format svg needs Graphviz's `dot` program, which is not on PATH. Install it "
+                               "(Debian/Ubuntu: apt-get install graphviz) or use --format dot / text.")
+    model = load_model(args.model)
+    compiled = mambac.compile(model, world_size=args.world_size, example_inputs=_example_inputs(model, args.batch, args.seqlen))
+    program = next(iter(compiled.programs.values()))
+    history = program.ctx.history
+    stages = [n for n, _ in history]
+    if args.stage == "all":
+        chosen = history
+    else:
+        name = args.stage or stages[-1]
+        if name not in stages:
+            raise MambacInputError(f"no stage {name!r}; stages: {', '.join(stages)} (or 'all').")
+        chosen = [(n, t) for n, t in history if n == name]
+    out = _render(chosen, program.gm, args.format, chosen[-1][0])
+    if args.format == "svg":
+        out = subprocess.run(["dot", "-Tsvg"], input=out, capture_output=True, text=True, check=True).stdout
+    if args.output:
+        Path(args.output).write_text(out)
+        print(f"wrote {args.output}")
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mambac", description="mambac: a compiler for Mamba-family models.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("dump", help="print the lowered graph after any pass")
+    d.add_argument("model", nargs="?", help="preset name, file.py:factory, or checkpoint directory")
+    d.add_argument("--list", action="store_true", help="list the built-in presets")
+    d.add_argument("--stage", default="", help="pass name, or 'all' (default: the last pass)")
+    d.add_argument("--format", choices=("text", "dot", "svg"), default="text")
+    d.add_argument("--world-size", type=int, default=1)
+    d.add_argument("--batch", type=int, default=2)
+    d.add_argument("--seqlen", type=int, default=64)
+    d.add_argument("-o", "--output", default="")
+    d.set_defaults(fn=cmd_dump)
+    sub.add_parser("demo", help="run the main job (options: mambac demo --help)")
+    return ap
+
+
+def _setup_logging() -> None:
+    level = knobs().logs
+    if level:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("mambac").setLevel(level.upper() if not level.isdigit() else int(level))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _setup_logging()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options
+        from mambac import demo
+        return demo.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except MambacError as exc:
+        print(f"mambac: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
