@@ -14,6 +14,9 @@ VARIANTS = {
     "mamba2_oddheads_normbeforegate_mlp": dict(d_model=24, d_intermediate=40,
                                                ssm_cfg=dict(MAMBA2, norm_before_gate=True)),
     "mamba2_dssm_side_mlp": dict(ssm_cfg=dict(MAMBA2, d_ssm=32)),
+    "mamba3_siso": dict(ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8, chunk_size=4)),
+    "mamba3_mimo_outnorm": dict(d_model=24, ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8, chunk_size=4,
+                                                         is_mimo=True, mimo_rank=2, is_outproj_norm=True)),
 }
 
 
