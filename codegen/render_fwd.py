@@ -58,7 +58,8 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward") -> str:
         if fwd:
             w.line("a = tl.load(a_ptr + h).to(tl.float32)")
             load_bias(w, r, "h")
-            w.lines("first = pid_p == 0", "run = a * 0.0  # cumsum of dA before this block")
+            w.line(f"lim = tl.where(pid_p == 0, {q}, 0)  # one headdim tile stores dt' and the cumsum")
+            w.line("run = a * 0.0  # cumsum of dA before this block")
         with w.block(f"for k0 in range(0, {q}, BT):"):
             emit_positions(w, "s", "k0", "BT", q)
             if fwd:
@@ -77,8 +78,8 @@ def _chunk_state_forward_body(w: Writer, r: SSDRegion, q: int, kw: str) -> None:
     w.comment("prologue, then zero outside the sequence so padded steps neither add nor decay")
     w.line(f"d = tl.where(v_s, {dt_call(r, 'd')}, 0.0)")
     w.lines("da = d * a", "cs = run + tl.cumsum(da, 0)", "end = run + tl.sum(da, 0)",
-            f"tl.store(dtp_ptr + row + s, d, mask=(s < {q}) & first)",
-            f"tl.store(cs_ptr + row + s, cs, mask=(s < {q}) & first)")
+            "tl.store(dtp_ptr + row + s, d, mask=s < lim)",
+            "tl.store(cs_ptr + row + s, cs, mask=s < lim)")
     w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + h * sxh", "pos_s", "sxl", "offs_p", "v_s",
                                "m_p", transpose=True))
     w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))

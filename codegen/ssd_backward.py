@@ -1,0 +1,228 @@
+"""Generated-kernel backward of ``mambac::ssd``, and a differentiable wrapper using it.
+
+``ssd_backward`` returns the gradients of every input of ``mambac::ssd`` in schema order
+(x, dt, A, B, C, D, z, dt_bias, initial_state), None where an input is absent.  Launch order:
+
+    [chunk_state, state_pass]   only when the forward's intermediates were not kept
+    gate_backward               with z: recomputes y; gives dz, dy and dy.(y - D x)
+    chunk_dstate                per chunk: sum_t exp(cs_t) dy_t C_t^T
+    state_pass_bwd              reverse passing: dS per chunk, d initial state, d(total decay)
+    dx                          dx, ddt (direct part), the cumsum gradient, dD parts
+    dc, db                      dC, dB per group (head weights summed before the matmul)
+    dt_backward                 reverse cumsum, prologue backward: ddt, dA and dt_bias parts
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from mambac.codegen import render_bwd, render_bwd_tiles, render_fwd
+from mambac.codegen.kernel_ir import TileConfig
+from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_prepared, prepare, run_chunk_scan,
+                                        run_chunk_state, run_state_pass, scan_args, strides3)
+from mambac.codegen.ssd_launch import (Family, cdiv, chunk_state_candidates, group_candidates,
+                                       head_block_candidates, pow2, run_family, single_candidate,
+                                       state_pass_candidates)
+
+DSTATE = Family("ssd_chunk_dstate", lambda r, c: render_fwd.render_chunk_state(r, "dstate"),
+                chunk_state_candidates)
+STATE_PASS_BWD = Family("ssd_state_pass_bwd", lambda r, c: render_bwd.render_state_pass_bwd(r),
+                        state_pass_candidates)
+GATE_BWD = Family("ssd_gate_backward",
+                  lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "gate_backward"),
+                  head_block_candidates)
+DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), head_block_candidates)
+DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c"), group_candidates)
+DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b"), group_candidates)
+DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r), single_candidate)
+
+
+def _dense_out(pr: Prepared, dtype: torch.dtype) -> Tensor:
+    d = pr.dims
+    return torch.empty(d.b, d.l, d.h, d.p, device=pr.x.device, dtype=dtype)
+
+
+def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dz, the gated dy (io dtype) and dy.(y - D x) per position (fp32)."""
+    d, r = pr.dims, pr.region
+    dz, dy = _dense_out(pr, pr.z.dtype), _dense_out(pr, r.torch_io)
+    stat = torch.empty_like(saved.cs)
+    head = [pr.x, pr.B, pr.C, pr.z] + ([pr.D] if pr.D is not None else [])
+
+    def launch(kern, cfg: TileConfig) -> None:
+        kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
+                    head + [dy_out, dz, dy, stat, saved.dtp, saved.cs, saved.sin] + scan_args(pr),
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
+                    cfg.num_warps, cfg.num_stages)
+
+    run_family(GATE_BWD, r, d, launch)
+    return dz, dy, stat
+
+
+def run_dstate(pr: Prepared, dy: Tensor, cs: Tensor) -> Tensor:
+    d = pr.dims
+    dst = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dy.device, dtype=torch.float32)
+
+    def launch(kern, cfg: TileConfig) -> None:
+        kern.launch((d.nc, d.b * d.h, cdiv(d.p, cfg.block_m)),
+                    [dy, pr.C, cs, dst, d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.C),
+                    dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg.num_warps, cfg.num_stages)
+
+    run_family(DSTATE, pr.region, d, launch)
+    return dst
+
+
+def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tensor):
+    """(dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts)."""
+    d = pr.dims
+    dsout = torch.empty(dst.shape, device=dst.device, dtype=pr.region.torch_io)
+    dinit = torch.empty(d.b, d.h, d.p, d.n, device=dst.device, dtype=torch.float32)
+
+    def launch(kern, cfg: TileConfig) -> Tensor:
+        tiles = cdiv(d.p * d.n, cfg.block_m)
+        dtot = torch.empty(d.b * d.h, d.nc, tiles, device=dst.device, dtype=torch.float32)
+        kern.launch((tiles, d.b * d.h), [dst, saved.sin, saved.cs, dfinal, dsout, dinit, dtot,
+                                         d.h, d.nc, d.p * d.n],
+                    dict(BLK=cfg.block_m), cfg.num_warps, cfg.num_stages)
+        return dtot
+
+    dtot = run_family(STATE_PASS_BWD, pr.region, d, launch)
+    return dsout, dinit, dtot
+
+
+def run_dx(pr: Prepared, dy: Tensor, y_or_stat: Tensor, saved: SSDSaved, dsout: Tensor):
+    """(dx, ddt_direct, dcs, v parts, dD parts or None)."""
+    d, r = pr.dims, pr.region
+    dx = _dense_out(pr, pr.x.dtype)
+    ddtd, dcs = torch.empty_like(saved.cs), torch.empty_like(saved.cs)
+
+    def launch(kern, cfg: TileConfig):
+        nm = cdiv(d.q, cfg.block_m)
+        vpart = torch.empty(d.b, d.h, d.nc, nm, device=dy.device, dtype=torch.float32)
+        dshape = (d.b, d.nc, nm, d.h) + ((d.p,) if r.d_mode == "head_dim" else ())
+        dd = torch.empty(dshape, device=dy.device, dtype=torch.float32) if pr.D is not None else None
+        args = [pr.x, pr.B, pr.C, dy, y_or_stat] + ([pr.D, dd] if pr.D is not None else [])
+        args += [dx, saved.dtp, saved.cs, dsout, ddtd, dcs, vpart, d.l, d.h, d.hpg, d.nc, d.p, d.n]
+        args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
+        kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
+                    cfg.num_warps, cfg.num_stages)
+        return vpart, dd
+
+    vpart, dd = run_family(DX, r, d, launch)
+    return dx, ddtd, dcs, vpart, dd
+
+
+def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor) -> Tensor:
+    """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving), fp32."""
+    d = pr.dims
+    other = pr.B if which == "c" else pr.C
+
+    def launch(kern, cfg: TileConfig) -> Tensor:
+        out = torch.empty(d.b, d.l, cfg.splits, d.g, d.n, device=dy.device, dtype=torch.float32)
+        args = [pr.x, other, dy, saved.dtp, saved.cs, state, out, d.l, d.h, d.hpg, d.g, d.nc,
+                d.p, d.n, cfg.splits] + strides3(pr.x) + strides3(other)
+        kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.g * cfg.splits), args,
+                    dict(BT=cfg.block_m, PP=d.pp, NP=d.np_), cfg.num_warps, cfg.num_stages)
+        return out
+
+    out = run_family(DC if which == "c" else DB, pr.region, d, launch)
+    return out[:, :, 0] if out.shape[2] == 1 else out.sum(2)
+
+
+def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, dcs: Tensor, vpart: Tensor,
+                    dtot: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(ddt in dt's dtype and layout, dA parts, dt_bias parts or None)."""
+    d, r = pr.dims, pr.region
+    ddt = torch.empty(d.b, d.l, d.h, device=dcs.device, dtype=pr.dt.dtype)
+    da = torch.empty(d.b * d.h, d.nc, device=dcs.device, dtype=torch.float32)
+    dbias = torch.empty_like(da) if r.has_dt_bias else None
+    nv, ndt = vpart.shape[-1], dtot.shape[-1]
+    opt = ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
+
+    def launch(kern, cfg: TileConfig) -> None:
+        args = [pr.dt, pr.A] + opt + [saved.dtp, ddtd, dcs, vpart, dtot, ddt, da]
+        args += ([dbias] if dbias is not None else []) + [d.l, d.h, d.nc] + strides3(pr.dt)
+        kern.launch((d.nc, d.b * d.h), args + [nv, ndt],
+                    dict(QP=pow2(d.q), VP=pow2(nv), TP=pow2(ndt)), cfg.num_warps, cfg.num_stages)
+
+    run_family(DT_BWD, r, d, launch)
+    return ddt, da, dbias
+
+
+def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+                 C: Tensor, D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+                 initial_state: Optional[Tensor], chunk_size: int, dt_softplus: bool,
+                 dt_min: float = 0.0, dt_max: float = math.inf, *, y: Optional[Tensor] = None,
+                 saved: Optional[SSDSaved] = None) -> tuple[Optional[Tensor], ...]:
+    """Gradients of ``mambac::ssd`` w.r.t. (x, dt, A, B, C, D, z, dt_bias, initial_state).
+
+    ``dy``/``dfinal`` are the gradients of y and final_state (dfinal may be None).  ``y`` (the
+    forward output) and ``saved`` (``ssd_forward(..., return_saved=True)``) are optional: what
+    is missing is recomputed.
+    """
+    pr = prepare(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max)
+    d, r = pr.dims, pr.region
+    if saved is None or (y is None and not r.has_z):
+        y_new, _, saved = forward_prepared(pr)
+        y = y if y is not None else y_new
+    dy = dy.contiguous()
+    dz = None
+    if r.has_z:
+        dz, dyv, y_or_stat = run_gate_backward(pr, saved, dy)
+    else:
+        dyv, y_or_stat = dy.to(r.torch_io), y.contiguous()
+    if dfinal is None:
+        dfinal = torch.zeros(d.b, d.h, d.p, d.n, device=x.device, dtype=torch.float32)
+    dst = run_dstate(pr, dyv, saved.cs)
+    dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
+    dx, ddtd, dcs, vpart, dd = run_dx(pr, dyv, y_or_stat, saved, dsout)
+    dC = run_dbc(pr, "c", dyv, saved, saved.sin)
+    dB = run_dbc(pr, "b", dyv, saved, dsout)
+    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, dcs, vpart, dtot)
+    return (dx, ddt, da.view(d.b, d.h, d.nc).sum((0, 2)).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+            None if D is None else dd.sum((0, 1, 2)).to(D.dtype), dz,
+            None if dt_bias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2)).to(dt_bias.dtype),
+            None if initial_state is None else dinit.to(initial_state.dtype))
+
+
+class _SSDFunction(torch.autograd.Function):
+    """Autograd over the generated forward and backward (keeps the forward's intermediates)."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus,
+                dt_min, dt_max):
+        y, final, saved = ssd_forward_saved(x, dt, A, B, C, D, z, dt_bias, initial_state,
+                                            chunk_size, dt_softplus, dt_min, dt_max)
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, y,
+                              saved.dtp, saved.cs, saved.sin)
+        ctx.opts = (chunk_size, dt_softplus, dt_min, dt_max)
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, A, B, C, D, z, dt_bias, init, y, dtp, cs, sin = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(y)
+        grads = ssd_backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, init, *ctx.opts, y=y,
+                             saved=SSDSaved(dtp=dtp, cs=cs, sin=sin))
+        return grads + (None, None, None, None)
+
+
+def ssd_forward_saved(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus,
+                      dt_min, dt_max):
+    pr = prepare(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max)
+    return forward_prepared(pr)
+
+
+def ssd_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int = 256,
+               D: Optional[Tensor] = None, z: Optional[Tensor] = None,
+               dt_bias: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
+               dt_softplus: bool = False, dt_min: float = 0.0,
+               dt_max: float = math.inf) -> tuple[Tensor, Tensor]:
+    """Differentiable SSD on the generated kernels (forward and backward): (y, final_state)."""
+    return _SSDFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size,
+                              dt_softplus, float(dt_min), float(dt_max))

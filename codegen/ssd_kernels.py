@@ -1,0 +1,195 @@
+"""Generated-kernel implementation of ``mambac::ssd``: forward launcher and CUDA registration.
+
+``ssd_forward`` runs the three forward kernels of ``render_fwd`` (see there for what each does)
+for the region its arguments describe; ``ssd_backward`` (``ssd_backward.py``) the backward.
+``register_cuda_kernels()`` makes the forward the CUDA implementation of ``mambac::ssd``; calls
+the kernels cannot take (float64, CPU tensors) fall back to the op's reference.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from mambac.codegen import render_fwd
+from mambac.codegen.kernel_ir import IO_DTYPES, SSDRegion, TileConfig, region_for
+from mambac.codegen.ssd_launch import (Dims, Family, cdiv, chunk_state_candidates,
+                                       head_block_candidates, run_family, state_pass_candidates)
+
+CHUNK_STATE = Family("ssd_chunk_state", lambda r, c: render_fwd.render_chunk_state(r, "forward"),
+                     chunk_state_candidates)
+STATE_PASS = Family("ssd_state_pass", lambda r, c: render_fwd.render_state_pass(r),
+                    state_pass_candidates)
+CHUNK_SCAN = Family("ssd_chunk_scan", lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward"),
+                    head_block_candidates)
+
+
+@dataclass
+class SSDSaved:
+    """Forward intermediates the backward can reuse instead of recomputing.
+
+    dtp, cs: (batch, heads, nchunks*chunk) fp32; sin: states entering each chunk (batch,
+    nchunks, heads, headdim, dstate) in the io dtype.
+    """
+
+    dtp: Tensor
+    cs: Tensor
+    sin: Tensor
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Inputs laid out as the generated kernels expect, plus the region and sizes."""
+
+    region: SSDRegion
+    dims: Dims
+    x: Tensor
+    dt: Tensor
+    A: Tensor
+    B: Tensor
+    C: Tensor
+    D: Optional[Tensor]
+    z: Optional[Tensor]
+    dt_bias: Optional[Tensor]
+    init: Optional[Tensor]
+    dt_min: float
+    dt_max: float
+
+
+def _dense_last(t: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+    if t is None:
+        return None
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def prepare(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+            z: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor],
+            chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float) -> Prepared:
+    """Cast B/C to x's dtype, make innermost dims dense, and describe the region."""
+    region = region_for(x, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_state=initial_state,
+                        dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
+    b, l, h, p = x.shape
+    dims = Dims(b=b, l=l, h=h, g=B.shape[2], p=p, n=B.shape[3], q=int(chunk_size))
+    return Prepared(region=region, dims=dims, x=_dense_last(x), dt=dt, A=A.contiguous(),
+                    B=_dense_last(B, x.dtype), C=_dense_last(C, x.dtype),
+                    D=None if D is None else D.contiguous(), z=_dense_last(z),
+                    dt_bias=None if dt_bias is None else dt_bias.contiguous(),
+                    init=None if initial_state is None else initial_state.contiguous(),
+                    dt_min=float(dt_min), dt_max=float(dt_max))
+
+
+def strides3(t: Tensor) -> list[int]:
+    return [t.stride(0), t.stride(1), t.stride(2)]
+
+
+def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
+    """Kernel 1: per-chunk states (fp32), processed dt and the dA cumsum."""
+    d, r, dev = pr.dims, pr.region, pr.x.device
+    dtp = torch.empty(d.b, d.h, d.nc * d.q, device=dev, dtype=torch.float32)
+    cs = torch.empty_like(dtp)
+    states = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dev, dtype=torch.float32)
+    opt = ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
+
+    def launch(kern, cfg: TileConfig) -> None:
+        args = [pr.x, pr.dt, pr.A, pr.B] + opt + [states, dtp, cs, d.l, d.h, d.hpg, d.nc, d.p, d.n]
+        args += strides3(pr.x) + strides3(pr.dt) + strides3(pr.B)
+        kern.launch((d.nc, d.b * d.h, cdiv(d.p, cfg.block_m)), args,
+                    dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg.num_warps, cfg.num_stages)
+
+    run_family(CHUNK_STATE, r, d, launch)
+    return states, dtp, cs
+
+
+def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Tensor]:
+    """Kernel 2: the state entering each chunk (io dtype) and the final state (fp32)."""
+    d, r = pr.dims, pr.region
+    sin = torch.empty(states.shape, device=states.device, dtype=r.torch_io)
+    final = torch.empty(d.b, d.h, d.p, d.n, device=states.device, dtype=torch.float32)
+    init = [pr.init] if r.has_initial_state else []
+
+    def launch(kern, cfg: TileConfig) -> None:
+        kern.launch((cdiv(d.p * d.n, cfg.block_m), d.b * d.h),
+                    [states, sin, cs] + init + [final, d.h, d.nc, d.p * d.n],
+                    dict(BLK=cfg.block_m), cfg.num_warps, cfg.num_stages)
+
+    run_family(STATE_PASS, r, d, launch)
+    return sin, final
+
+
+def scan_args(pr: Prepared) -> list:
+    """The shared tail of the chunk-scan style kernels' arguments (sizes and strides)."""
+    d = pr.dims
+    out = [d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
+    return out + (strides3(pr.z) if pr.region.has_z else [])
+
+
+def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor) -> Tensor:
+    """Kernel 3: y for every chunk, with the D skip and z gate fused."""
+    d, r = pr.dims, pr.region
+    y = torch.empty(d.b, d.l, d.h, d.p, device=pr.x.device, dtype=pr.x.dtype)
+    head = [pr.x, pr.B, pr.C] + ([pr.z] if r.has_z else []) + ([pr.D] if pr.D is not None else [])
+
+    def launch(kern, cfg: TileConfig) -> None:
+        kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
+                    head + [y, dtp, cs, sin] + scan_args(pr),
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
+                    cfg.num_warps, cfg.num_stages)
+
+    run_family(CHUNK_SCAN, r, d, launch)
+    return y
+
+
+def forward_prepared(pr: Prepared) -> tuple[Tensor, Tensor, SSDSaved]:
+    states, dtp, cs = run_chunk_state(pr)
+    sin, final = run_state_pass(pr, states, cs)
+    y = run_chunk_scan(pr, dtp, cs, sin)
+    return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin)
+
+
+def ssd_forward(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,
+                z: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+                initial_state: Optional[Tensor] = None, chunk_size: int = 256,
+                dt_softplus: bool = False, dt_min: float = 0.0, dt_max: float = math.inf,
+                return_saved: bool = False):
+    """``mambac::ssd`` forward with generated kernels: (y, final_state[, SSDSaved])."""
+    pr = prepare(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max)
+    y, final, saved = forward_prepared(pr)
+    return (y, final, saved) if return_saved else (y, final)
+
+
+def kernels_support(x: Tensor, *others: Optional[Tensor]) -> bool:
+    """Whether the generated kernels take these inputs (else the reference runs)."""
+    tensors = [x] + [t for t in others if t is not None]
+    if any(t.dtype == torch.float64 for t in tensors):
+        return False
+    if x.dtype not in [v[0] for v in IO_DTYPES.values()]:
+        return False
+    return all(t.device == x.device for t in tensors)
+
+
+_REGISTERED = False
+
+
+def register_cuda_kernels() -> None:
+    """Register the generated forward as the CUDA kernel of ``mambac::ssd`` (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from mambac.ops.ssd import reference
+
+    @torch.library.register_kernel("mambac::ssd", "cuda")
+    def _ssd_cuda(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min,
+                  dt_max):
+        if not kernels_support(x, dt, A, B, C, D, z, dt_bias, initial_state):
+            y, final = reference(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size,
+                                 dt_softplus, dt_min, dt_max)
+            return y.contiguous(), final.contiguous()
+        return ssd_forward(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus,
+                           dt_min, dt_max)
+
+    _REGISTERED = True
