@@ -94,7 +94,7 @@ def reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optiona
     ct = state_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    r, T = h // g, chunk_size
+    r, T = h // g, min(chunk_size, l)  # a chunk longer than the sequence only adds padding
     dtp = _chunked(process_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, ct), T)   # (b, c, T, h)
     xs = _chunked(x.to(ct), T).unflatten(3, (g, r))                               # (b, c, T, g, r, p)
     Bs, Cs = _chunked(B.to(ct), T), _chunked(C.to(ct), T)                          # (b, c, T, g, n)
