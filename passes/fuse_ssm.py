@@ -168,50 +168,51 @@ def _d_value(op_name: str, d_expr, channels: int, x_shape):
     return None
 
 
-def _d_skip(node: torch.fx.Node) -> bool:
-    for op_name, (x_name, channels_of) in _SCANS.items():
+def _epilogue(node: torch.fx.Node, targets, free_args: tuple[str, ...]):
+    """If ``node`` is ``targets(op(...)[0], other)`` for a scan op whose ``free_args`` are unset and
+    whose output only ``node`` reads, return (op name, op node, that output, other)."""
+    for op_name in _SCANS:
         packet = getattr(torch.ops.mambac, op_name)
-        parts = _split_binary(node, ADD, lambda a: _scan_output(a, packet) is not None)
+        parts = _split_binary(node, targets, lambda a: _scan_output(a, packet) is not None)
         if parts is None:
             continue
-        y, prod = parts
+        y, other = parts
         op_node = _scan_output(y, packet)
-        if op_arg(op_node, "D") is not None or op_arg(op_node, "z") is not None or not _only_user(y, node):
-            continue
-        x = op_arg(op_node, x_name)
-        xd = _split_binary(prod, MUL, lambda a: a is x)
-        if xd is None or not _only_user(prod, node):
-            continue
-        D = _d_value(op_name, xd[1], channels_of(op_node), shape(x))
-        if D is None:
-            continue
-        set_op_args(op_node, D=D)
-        replace_uses(node, y)
-        _mark(op_node, "d_skip")
-        return True
-    return False
+        if all(op_arg(op_node, a) is None for a in free_args) and _only_user(y, node):
+            return op_name, op_node, y, other
+    return None
+
+
+def _fold(node: torch.fx.Node, op_node: torch.fx.Node, y: torch.fx.Node, fusion: str, **updates) -> bool:
+    set_op_args(op_node, **updates)
+    replace_uses(node, y)
+    _mark(op_node, fusion)
+    return True
+
+
+def _d_skip(node: torch.fx.Node) -> bool:
+    got = _epilogue(node, ADD, ("D", "z"))
+    if got is None:
+        return False
+    op_name, op_node, y, prod = got
+    x_name, channels_of = _SCANS[op_name]
+    x = op_arg(op_node, x_name)
+    xd = _split_binary(prod, MUL, lambda a: a is x)
+    if xd is None or not _only_user(prod, node):
+        return False
+    D = _d_value(op_name, xd[1], channels_of(op_node), shape(x))
+    return D is not None and _fold(node, op_node, y, "d_skip", D=D)
 
 
 def _z_gate(node: torch.fx.Node) -> bool:
-    for op_name, (x_name, _) in _SCANS.items():
-        packet = getattr(torch.ops.mambac, op_name)
-        parts = _split_binary(node, MUL, lambda a: _scan_output(a, packet) is not None)
-        if parts is None:
-            continue
-        y, gate = parts
-        op_node = _scan_output(y, packet)
-        if op_arg(op_node, "z") is not None or not _only_user(y, node):
-            continue
-        if not is_call(gate, SILU) or gate.kwargs.get("inplace", False) or not _only_user(gate, node):
-            continue
-        z = gate.args[0]
-        if shape(z) != shape(op_arg(op_node, x_name)):
-            continue
-        set_op_args(op_node, z=z)
-        replace_uses(node, y)
-        _mark(op_node, "z_gate")
-        return True
-    return False
+    got = _epilogue(node, MUL, ("z",))
+    if got is None:
+        return False
+    op_name, op_node, y, gate = got
+    if not is_call(gate, SILU) or gate.kwargs.get("inplace", False) or not _only_user(gate, node):
+        return False
+    z = gate.args[0]
+    return shape(z) == shape(op_arg(op_node, _SCANS[op_name][0])) and _fold(node, op_node, y, "z_gate", z=z)
 
 
 def _conv_silu(node: torch.fx.Node) -> bool:
@@ -221,10 +222,7 @@ def _conv_silu(node: torch.fx.Node) -> bool:
     conv = _scan_output(y, torch.ops.mambac.causal_conv1d)
     if conv is None or op_arg(conv, "activation") != "none" or not _only_user(y, node):
         return False
-    set_op_args(conv, activation="silu")
-    replace_uses(node, y)
-    _mark(conv, "conv_silu")
-    return True
+    return _fold(node, conv, y, "conv_silu", activation="silu")
 
 
 def _add_rmsnorm(node: torch.fx.Node) -> bool:
