@@ -6,10 +6,11 @@ Doors: ``mambac.compile(model, world_size=...)``, ``torch.compile(model, backend
 from mambac import ops  # noqa: F401  (registers the custom ops)
 from mambac.api import compile  # noqa: A001
 from mambac.capture import capture
+from mambac.convert import from_pretrained  # noqa: F401
 from mambac.errors import (MambacCaptureError, MambacConfigError, MambacError, MambacInputError,
                            MambacOptionsError, MambacPassError, MambacRuntimeError)
 from mambac.options import CompileOptions
 
 __version__ = "0.1.0"
-__all__ = ["compile", "capture", "CompileOptions", "MambacError", "MambacInputError", "MambacOptionsError",
+__all__ = ["compile", "capture", "from_pretrained", "CompileOptions", "MambacError", "MambacInputError", "MambacOptionsError",
            "MambacConfigError", "MambacCaptureError", "MambacPassError", "MambacRuntimeError"]

@@ -37,6 +37,8 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
     the first call.  The result shares the model's parameters and ``state_dict`` keys.
     """
     opts = CompileOptions.create(world_size=world_size, **options)
+    from mambac.convert import prepare_model  # a checkpoint path or a foreign (HF, mamba_ssm) model
+    model = prepare_model(model)
     if not isinstance(model, torch.nn.Module):
         raise MambacInputError(f"mambac.compile takes a torch.nn.Module, got {type(model).__name__}.")
     if isinstance(model, CompiledModule):

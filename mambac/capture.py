@@ -75,7 +75,7 @@ def _explain(exc: Exception, where: tuple[str, str]) -> MambacCaptureError:
                                       f"cannot follow. To fix: {todo}. (fx said: {text.splitlines()[0]})")
     return MambacCaptureError(f"cannot capture {loc}: {type(exc).__name__}: {text.splitlines()[0] if text else ''}. "
                               "If this module is not a Mamba model mambac knows, register a converter "
-                              "(see docs/capture.md) or make its forward traceable by torch.fx.")
+                              "(mambac.convert.register_converter, see docs/models.md) or make its forward traceable by torch.fx.")
 
 
 def _concrete_args(model: torch.nn.Module, n_given: int, kwargs: dict) -> dict:

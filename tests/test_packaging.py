@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["mambac", "mambac.ops", "mambac.models", "mambac.passes", "mambac.codegen", "mambac.runtime"]
+SUBPACKAGES = ["mambac", "mambac.ops", "mambac.models", "mambac.convert", "mambac.passes", "mambac.codegen",
+               "mambac.runtime"]
 PROBE = ("import importlib, json, sys; mods = sys.argv[1:]; "
          "print(json.dumps({m: importlib.import_module(m).__file__ for m in mods}))")
 

@@ -49,13 +49,9 @@ def _slots(model: nn.Module) -> list[_Slot]:
     return list(by_id.values())
 
 
-def _find(slot: _Slot, source: Mapping[str, torch.Tensor], candidates: Candidates) -> tuple[str, str] | None:
-    """(mambac key, original key) of the first name of ``slot`` present in ``source``."""
-    for key in slot.keys:
-        for orig in candidates(key):
-            if orig in source:
-                return key, orig
-    return None
+def _find(slot: _Slot, source: Mapping[str, torch.Tensor], candidates: Candidates) -> str | None:
+    """The original key under which ``source`` holds the tensor of ``slot`` (any of its names)."""
+    return next((orig for key in slot.keys for orig in candidates(key) if orig in source), None)
 
 
 def _as_parameter(value: torch.Tensor, meta: torch.Tensor) -> nn.Parameter:
@@ -78,40 +74,52 @@ def _install(model: nn.Module, key: str, value: torch.Tensor, is_param: bool) ->
 
 
 def adopt(model: nn.Module, source: Mapping[str, torch.Tensor], candidates: Candidates, *,
-          what: str, ignore: Callable[[str], bool] = lambda key: False) -> dict[str, str]:
+          what: str, live: bool = False) -> dict[str, str]:
     """Fill every parameter and buffer of the meta-built ``model`` from ``source`` (original keys).
 
-    ``candidates(k)`` lists the original names of mambac key ``k``; ``ignore(orig)`` marks source keys
-    that may be left over (e.g. a redundant copy of a tied weight).  ``what`` names the source in
-    errors.  Returns the key map (every mambac key → its original key).
+    ``candidates(k)`` lists the original names of mambac key ``k``; ``what`` names the source in
+    errors.  With ``live`` (a live model's parameters) every name of a tied slot must hold the very
+    same tensor; a checkpoint may store copies, which must have the right shape and are otherwise
+    not used.  Returns the key map (every mambac key → its original key).
     """
-    used: set[str] = set()
     key_map: dict[str, str] = {}
     for slot in _slots(model):
-        found = _find(slot, source, candidates)
-        if found is None:
-            names = " or ".join(f"'{c}'" for c in candidates(slot.keys[0]))
-            raise MambacInputError(f"{what} has no tensor {names} (needed for mambac's '{slot.keys[0]}'); "
-                                   "the checkpoint does not match its configuration.")
-        _, orig = found
-        value = source[orig]
-        if tuple(value.shape) != tuple(slot.meta.shape):
-            raise MambacInputError(f"{what}: tensor '{orig}' has shape {tuple(value.shape)}, but the "
-                                   f"configuration needs {tuple(slot.meta.shape)}.")
-        value = _as_parameter(value, slot.meta) if slot.is_param else value
-        for key in slot.keys:
-            _install(model, key, value, slot.is_param)
-            alias = next((c for c in candidates(key) if c in source), candidates(key)[0])
-            key_map[key] = alias
-            used.add(alias)
-    extra = sorted(k for k in source if k not in used and not ignore(k))
+        key_map.update(_fill(model, slot, source, candidates, what, live))
+    extra = sorted(set(source) - set(key_map.values()))
     if extra:
         raise MambacInputError(f"{what} has tensors the configuration does not use: {extra[:8]}"
-                               f"{' ...' if len(extra) > 8 else ''}; the checkpoint does not match its configuration.")
+                               f"{' ...' if len(extra) > 8 else ''}; the weights do not match the configuration.")
     return key_map
 
 
-def check_shapes(value: torch.Tensor, key: str, shape: tuple, what: str) -> None:
-    """A clear error when a tied duplicate disagrees in shape with the tensor it duplicates."""
-    if tuple(value.shape) != tuple(shape):
-        raise MambacInputError(f"{what}: tensor '{key}' has shape {tuple(value.shape)}, expected {tuple(shape)}.")
+def _fill(model: nn.Module, slot: _Slot, source: Mapping[str, torch.Tensor], candidates: Candidates,
+          what: str, live: bool) -> dict[str, str]:
+    """Install the tensor of one slot under all its names; returns their original keys."""
+    orig = _find(slot, source, candidates)
+    if orig is None:
+        names = " or ".join(f"'{c}'" for c in candidates(slot.keys[0]))
+        raise MambacInputError(f"{what} has no tensor {names} (needed for mambac's '{slot.keys[0]}'); "
+                               "the weights do not match the configuration.")
+    value = source[orig]
+    if tuple(value.shape) != tuple(slot.meta.shape):
+        raise MambacInputError(f"{what}: tensor '{orig}' has shape {tuple(value.shape)}, but the "
+                               f"configuration needs {tuple(slot.meta.shape)}.")
+    value = _as_parameter(value, slot.meta) if slot.is_param else value
+    names = {}
+    for key in slot.keys:
+        _install(model, key, value, slot.is_param)
+        alias = next((c for c in candidates(key) if c in source), candidates(key)[0])
+        if alias in source and alias != orig:
+            _check_duplicate(source[alias], source[orig], alias, orig, what, live)
+        names[key] = alias
+    return names
+
+
+def _check_duplicate(dup: torch.Tensor, first: torch.Tensor, dup_key: str, key: str, what: str, live: bool) -> None:
+    """A second name of a tied tensor must be that tensor (live) or a copy of its shape (checkpoint)."""
+    if live and dup is not first:
+        raise MambacConfigError(f"{what}: '{dup_key}' and '{key}' are separate tensors, but the converted "
+                                "configuration ties them; the converter's tie detection is wrong.")
+    if tuple(dup.shape) != tuple(first.shape):
+        raise MambacInputError(f"{what}: tensor '{dup_key}' has shape {tuple(dup.shape)}, but it is tied to "
+                               f"'{key}' of shape {tuple(first.shape)}.")

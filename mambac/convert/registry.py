@@ -73,13 +73,8 @@ def find_converter(model: object) -> Converter | None:
 
 
 def is_mambac_model(model: object) -> bool:
-    """True for mambac's own reference models, which need no conversion."""
-    from mambac.models.lm import MambaLMHeadModel, MixerModel
-    from mambac.models.mamba1 import Mamba
-    from mambac.models.mamba2 import Mamba2
-    from mambac.models.mamba3 import Mamba3
-
-    return isinstance(model, (MambaLMHeadModel, MixerModel, Mamba, Mamba2, Mamba3))
+    """True for mambac's own reference models (``mambac.models``), which need no conversion."""
+    return type(model).__module__.startswith("mambac.models.")
 
 
 def _unknown(model: nn.Module) -> MambacInputError:

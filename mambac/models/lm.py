@@ -109,7 +109,9 @@ class MambaLMHeadModel(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
     def example_inputs(self, batch: int = 2, seqlen: int = 16, device=None) -> tuple[torch.Tensor]:
-        """Random token ids of the given size (used to capture shapes when none are given)."""
+        """Random token ids of the given size (used to capture shapes when none are given), on the
+        model's device unless ``device`` says otherwise."""
+        device = self.lm_head.weight.device if device is None else device
         return (torch.randint(0, self.config.vocab_size, (batch, seqlen), device=device),)
 
 
