@@ -1,0 +1,272 @@
+"""``torch.compile(model, backend="mambac", options={...})``: mambac as a TorchDynamo backend.
+
+Dynamo captures each region of Python it can follow into a torch-level FX graph (the custom ops
+``torch.ops.mambac.*`` are single nodes there; parameters are graph inputs) and hands it to this
+backend with example inputs.  The backend gives every node its fake value (symbolic sizes
+included), names the module each node came from, runs mambac's pass pipeline -- the same passes
+``mambac.compile`` runs -- and returns the lowered graph.  Autograd flows through the ops' own
+rules, as under ``mambac.compile``; ``MambacBackend(trace_backward=True)`` hands the lowered
+graph to AOTAutograd instead (docs/backend.md says why that is not the default).  Regions dynamo
+cannot capture (graph breaks) run as plain Python, as they would without mambac.
+
+The backend is registered through the ``torch_dynamo_backends`` entry point, so
+``backend="mambac"`` works after ``pip install`` without importing mambac first.  Options are
+``mambac.compile``'s, validated by ``CompileOptions.create``.  Every pass's counts land in
+``torch._dynamo.utils.counters["mambac"]`` (``"fuse_ssm.dt_prologue"``, ...), next to ``"graphs"``
+(backend calls) and ``"mixers.lowered"`` / ``"mixers.not_lowered"``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from mambac.capture import propagate_shapes
+from mambac.errors import MambacOptionsError
+from mambac.ir import SOURCE, SourceInfo
+from mambac.lowering import make_context
+from mambac.ops._common import info_for_target
+from mambac.options import CompileOptions
+from mambac.passes.context import PassContext
+from mambac.passes.pipeline import pipeline_for
+from mambac.passes.runner import run_passes
+
+log = logging.getLogger("mambac.backend")
+
+COUNTERS_KEY = "mambac"
+# Mixer classes of other libraries, recognised in a graph by their qualified name (their math is
+# plain PyTorch, so nothing in them is fused; ``mambac.convert`` turns their models into mambac's).
+FOREIGN_MIXERS = (
+    "transformers.models.mamba.modeling_mamba.MambaMixer",
+    "transformers.models.mamba2.modeling_mamba2.Mamba2Mixer",
+    "mamba_ssm.modules.mamba_simple.Mamba",
+    "mamba_ssm.modules.mamba2.Mamba2",
+    "mamba_ssm.modules.mamba3.Mamba3",
+)
+MAMBAC_MIXERS = ("mambac.models.mamba1.Mamba", "mambac.models.mamba2.Mamba2", "mambac.models.mamba3.Mamba3")
+
+
+@dataclass
+class LoweredGraph:
+    """One dynamo graph after mambac's passes: the graph and what the passes reported."""
+
+    gm: torch.fx.GraphModule
+    ctx: PassContext
+
+    def text(self, stage: str = "") -> str:
+        """The printed graph after ``stage`` (the last pass when empty)."""
+        if not stage:
+            return self.ctx.history[-1][1]
+        for name, text in self.ctx.history:
+            if name == stage:
+                return text
+        raise KeyError(f"no stage {stage!r}; stages: {[n for n, _ in self.ctx.history]}")
+
+
+# -- module provenance -----------------------------------------------------------------------------
+
+def _dotted(path: str) -> str:
+    """Dynamo's module path (``L['self'].layers[0].mixer``) as a dotted name (``layers.0.mixer``)."""
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    return path.strip(".")
+
+
+def _qualname(cls: Any) -> str:
+    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _stack(node: torch.fx.Node) -> list[tuple[str, str]]:
+    """(dotted module path, qualified class name) of every module around ``node``, outermost first."""
+    return [(_dotted(path), _qualname(cls)) for path, cls in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def annotate_sources(gm: torch.fx.GraphModule) -> None:
+    """Record on every node the innermost module it came from (``meta[SOURCE]``), from dynamo's
+    ``nn_module_stack``, so printed graphs and errors name modules as under ``mambac.compile``."""
+    for node in gm.graph.nodes:
+        stack = _stack(node)
+        if stack and SOURCE not in node.meta:
+            path, cls = stack[-1]
+            node.meta[SOURCE] = SourceInfo(module_path=path, module_type=cls.rsplit(".", 1)[-1])
+
+
+def recognise_mixers(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, str]:
+    """Find the Mamba mixers in ``gm`` by their module class and say which are lowered.
+
+    A mixer is lowered when its nodes include mambac ops (mambac's own mixers); a foreign mixer
+    (transformers, mamba_ssm) runs as its own PyTorch code.  Returns path → class name; counts
+    ``mixers.lowered`` / ``mixers.not_lowered`` in ``ctx.stats['backend']``.
+    """
+    found: dict[str, str] = {}
+    lowered: set[str] = set()
+    for node in gm.graph.nodes:
+        for path, cls in _stack(node):
+            if cls in FOREIGN_MIXERS or cls in MAMBAC_MIXERS:
+                found[path] = cls
+                if node.op == "call_function" and info_for_target(node.target) is not None:
+                    lowered.add(path)
+    stats = ctx.stats_for("backend")
+    stats.add("mixers.lowered", len(lowered))
+    stats.add("mixers.not_lowered", len(found) - len(lowered))
+    foreign = sorted({found[p] for p in found if p not in lowered})
+    if foreign:
+        log.warning("mambac backend: %d mixer(s) of %s run as their own PyTorch code (nothing to fuse); "
+                    "compile mambac.convert.convert(model) instead to lower them.", len(found) - len(lowered),
+                    ", ".join(foreign))
+    return found
+
+
+# -- lowering --------------------------------------------------------------------------------------
+
+def _fake_mode_for(example_inputs: Sequence[Any]):
+    """Dynamo's fake mode (from the tracing context, else from fake inputs; None for real inputs
+    outside dynamo), so the fake values share dynamo's symbolic sizes."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(list(example_inputs))
+
+
+@contextlib.contextmanager
+def _real_constants_allowed(mode):
+    """Let ``mode`` take the real tensors that ``get_attr`` nodes read (the parameters of a graph
+    made by ``torch.fx.symbolic_trace``; dynamo lifts them to inputs) for the time of one
+    propagation; a mode that already allows them is left alone."""
+    before = getattr(mode, "allow_non_fake_inputs", True)
+    if mode is not None:
+        mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        if mode is not None:
+            mode.allow_non_fake_inputs = before
+
+
+def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: CompileOptions) -> LoweredGraph:
+    """Give ``gm``'s nodes fake values from ``example_inputs`` (real or fake tensors, ints or
+    SymInts) and run the pass pipeline for ``options`` on it."""
+    annotate_sources(gm)
+    mode = _fake_mode_for(example_inputs)
+    with _real_constants_allowed(mode):
+        propagate_shapes(gm, list(example_inputs), mode)
+    ctx = _context(options)
+    recognise_mixers(gm, ctx)  # before the passes: remat moves op nodes into sub-graphs
+    gm = run_passes(gm, ctx, pipeline_for(options))
+    _count(ctx)
+    return LoweredGraph(gm=gm, ctx=ctx)
+
+
+def _context(options: CompileOptions) -> PassContext:
+    """``mambac.compile``'s pass context; dumps go to one sub-folder per dynamo graph
+    (``dynamo_graph_000``, ...), as a graph break gives several graphs."""
+    from torch._dynamo.utils import counters
+
+    ctx = make_context(options)
+    if ctx.dump_dir:
+        ctx.dump_dir = str(Path(ctx.dump_dir) / f"dynamo_graph_{counters[COUNTERS_KEY]['graphs']:03d}")
+    return ctx
+
+
+def _count(ctx: PassContext) -> None:
+    from torch._dynamo.utils import counters
+
+    bucket = counters[COUNTERS_KEY]
+    bucket["graphs"] += 1
+    for pass_name, stats in ctx.stats.items():
+        for key, n in stats.counts.items():
+            bucket[key if pass_name == "backend" else f"{pass_name}.{key}"] += n
+
+
+# -- AOTAutograd (opt-in) --------------------------------------------------------------------------
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _views_to_reshapes(gm: torch.fx.GraphModule) -> int:
+    """Turn every ``view`` of an AOTAutograd graph into ``reshape``; returns how many.
+
+    AOTAutograd traces with fake tensors and picks ``view`` wherever the *fake* strides allow it.
+    Fake and real strides can disagree (a fake function answering ``empty_like`` of a transposed
+    input where the kernel returns a contiguous tensor; a decomposition ordering an elementwise
+    result's dims differently from the kernel), and the ``view`` then fails at run time.  These
+    graphs are functional (AOTAutograd removed every mutation), so nothing depends on a view
+    aliasing its input, and ``reshape`` -- a view where the strides allow it, a copy otherwise --
+    computes the same values for any strides.
+    """
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS:
+            node.target = torch.ops.aten.reshape.default
+            n += 1
+    if n:
+        gm.recompile()
+    return n
+
+
+def _run_as_traced(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """AOTAutograd's forward and backward compiler: run the traced graph as it is."""
+    from functorch.compile import make_boxed_func
+
+    _views_to_reshapes(gm)
+    return make_boxed_func(gm.forward)
+
+
+def _with_aot_autograd(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=_run_as_traced, bw_compiler=_run_as_traced)(gm, example_inputs)
+
+
+# -- the backend -----------------------------------------------------------------------------------
+
+class MambacBackend:
+    """A dynamo backend with fixed mambac options that keeps every graph it lowered (``graphs``).
+
+    ``torch.compile(model, backend=MambacBackend(**options))`` is
+    ``torch.compile(model, backend="mambac", options=options)`` plus the record.  With
+    ``trace_backward=True`` the lowered graph goes through AOTAutograd (forward and backward traced
+    at compile time; see docs/backend.md for its costs) instead of running as it is.
+    """
+
+    def __init__(self, *, trace_backward: bool = False, **options: Any) -> None:
+        self.options = CompileOptions.create(**options)
+        if self.options.world_size > 1:
+            raise MambacOptionsError(
+                f"world_size={self.options.world_size}: the torch.compile backend lowers one device's graph; "
+                "for several ranks use mambac.compile(model, world_size=...), which shards the model itself.")
+        self.trace_backward = trace_backward
+        self.graphs: list[LoweredGraph] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        _reject_extra_arguments(kwargs)
+        lowered = lower_graph(gm, example_inputs, self.options)
+        self.graphs.append(lowered)
+        if self.trace_backward:
+            return _with_aot_autograd(lowered.gm, example_inputs)
+        return lowered.gm.forward
+
+
+def _reject_extra_arguments(kwargs: dict) -> None:
+    mode = kwargs.pop("mode", None)
+    if mode not in (None, "default"):
+        raise MambacOptionsError(f"torch.compile(mode={mode!r}) selects inductor settings; the mambac backend has "
+                                 "no modes. Drop mode= and pass mambac's options as options={...}.")
+    if kwargs:
+        raise MambacOptionsError(f"the mambac backend got unexpected arguments {sorted(kwargs)}; pass mambac's "
+                                 "options as torch.compile(..., options={...}).")
+
+
+def mambac_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None,
+                   **kwargs: Any) -> Callable:
+    """The ``"mambac"`` dynamo backend: validate ``options`` (those of ``mambac.compile``) and
+    lower ``gm`` through mambac's passes; the returned graph runs the ops' own autograd rules."""
+    if options is not None and not isinstance(options, dict):
+        raise MambacOptionsError(f"options must be a dict of mambac.compile options, got {type(options).__name__}.")
+    CompileOptions.create(**(options or {}))  # exactly mambac.compile's options (no backend-only ones)
+    return MambacBackend(**(options or {}))(gm, example_inputs, **kwargs)
