@@ -40,7 +40,7 @@ def add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: f
 
 @add_rmsnorm_op.register_fake
 def _fake(x, residual, weight, eps, residual_in_fp32):
-    return torch.empty_like(x), torch.empty_like(x, dtype=_residual_dtype(x, residual_in_fp32))
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=_residual_dtype(x, residual_in_fp32))
 
 
 register_recompute_autograd(add_rmsnorm_op, reference, n_outputs=2)

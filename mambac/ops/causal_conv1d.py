@@ -50,7 +50,7 @@ def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_
 
 @causal_conv1d_op.register_fake
 def _fake(x, weight, bias, initial_state, activation):
-    return torch.empty_like(x), x.new_empty(x.shape[0], x.shape[1], weight.shape[1] - 1)
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[1], weight.shape[1] - 1)
 
 
 register_recompute_autograd(causal_conv1d_op, reference, n_outputs=2)

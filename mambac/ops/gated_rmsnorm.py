@@ -41,7 +41,7 @@ def gated_rmsnorm_op(x: Tensor, weight: Tensor, z: Optional[Tensor], eps: float,
 
 @gated_rmsnorm_op.register_fake
 def _fake(x, weight, z, eps, group_size, norm_before_gate):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 register_recompute_autograd(gated_rmsnorm_op, reference, n_outputs=1)

@@ -112,7 +112,7 @@ def selective_scan_op(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
 @selective_scan_op.register_fake
 def _fake(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
     sd = state_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    return torch.empty_like(u), u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=sd)
+    return u.new_empty(u.shape), u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=sd)
 
 
 register_recompute_autograd(selective_scan_op, reference, n_outputs=2)

@@ -139,7 +139,7 @@ def ssd_op(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[T
 def _fake(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max):
     sd = state_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
     b, _, h, p = x.shape
-    return torch.empty_like(x), x.new_empty(b, h, p, B.shape[-1], dtype=sd)
+    return x.new_empty(x.shape), x.new_empty(b, h, p, B.shape[-1], dtype=sd)
 
 
 register_recompute_autograd(ssd_op, reference, n_outputs=2)

@@ -49,3 +49,9 @@ def test_bad_input_is_clear():
         causal_conv1d(torch.randn(1, 4, 5), torch.randn(4, 4), activation="relu")
     with pytest.raises(MambacInputError, match="floating-point"):
         causal_conv1d(torch.ones(1, 4, 5, dtype=torch.long), torch.randn(4, 4))
+
+
+def test_opcheck_with_non_contiguous_input():
+    x = torch.randn(2, 9, 6).transpose(1, 2)  # (b, d, l) view of a (b, l, d) tensor, as in the models
+    torch.library.opcheck(torch.ops.mambac.causal_conv1d.default, (x, torch.randn(6, 4), torch.randn(6), None, "silu"),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -67,3 +67,13 @@ def test_bad_input():
         gated_rmsnorm(torch.randn(2, 8), torch.ones(8), group_size=5)
     with pytest.raises(MambacInputError, match="residual has shape"):
         add_rmsnorm(torch.randn(2, 8), torch.randn(2, 4), torch.ones(8))
+
+
+def test_opcheck_with_non_contiguous_inputs():
+    """Fake functions agree with the real ops (shapes, dtypes and contiguous strides)."""
+    x = torch.randn(2, 8, 5).transpose(1, 2)
+    z = torch.randn(2, 8, 5).transpose(1, 2)
+    torch.library.opcheck(torch.ops.mambac.gated_rmsnorm.default, (x, torch.randn(8), z, 1e-5, 4, False),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(torch.ops.mambac.add_rmsnorm.default, (x, None, torch.randn(8), 1e-5, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
