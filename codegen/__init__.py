@@ -6,7 +6,7 @@ Importing this package does not import Triton; generated modules do when they ar
 from mambac.codegen.kernel_ir import SSDRegion, TileConfig, region_for
 from mambac.codegen.compile import CodegenError, STAGES, load_kernel
 from mambac.codegen.ssd_kernels import SSDSaved, register_cuda_kernels, ssd_forward
-from mambac.codegen.ssd_backward import ssd_backward, ssd_triton
+from mambac.codegen.ssd_kernels_bwd import ssd_backward, ssd_triton
 
 __all__ = ["SSDRegion", "TileConfig", "region_for", "CodegenError", "STAGES", "load_kernel",
            "SSDSaved", "register_cuda_kernels", "ssd_forward", "ssd_backward", "ssd_triton"]

@@ -48,13 +48,18 @@ class SSDRegion:
     has_initial_state: bool
     io_dtype: str
     chunk_size: int
-    dot_precision: str = "auto"  # "auto": ieee for fp32 io, tensor cores for half types
+    # "auto": ieee for fp32 io, native tensor-core inputs for half types; "tf32"; "ieee";
+    # "upcast": half operands are cast to fp32 first (the Triton interpreter multiplies bf16
+    # bit patterns as integers, so interpreted half kernels need it; results match fp32 accumulate)
+    dot_precision: str = "auto"
 
     def __post_init__(self) -> None:
         if self.d_mode not in D_MODES:
             raise ValueError(f"d_mode must be one of {D_MODES}, got {self.d_mode!r}")
         if self.io_dtype not in IO_DTYPES:
             raise ValueError(f"io_dtype must be one of {tuple(IO_DTYPES)}, got {self.io_dtype!r}")
+        if self.dot_precision not in ("auto", "tf32", "ieee", "upcast"):
+            raise ValueError(f"unknown dot_precision {self.dot_precision!r}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
 
@@ -73,7 +78,7 @@ class SSDRegion:
 
     def dot_kwargs(self) -> str:
         """Extra keyword text for every ``tl.dot`` in generated code."""
-        prec = self.dot_precision
+        prec = "ieee" if self.dot_precision == "upcast" else self.dot_precision
         if prec == "auto":
             prec = "ieee" if self.io_dtype == "fp32" else ""
         return f', input_precision="{prec}"' if prec else ""

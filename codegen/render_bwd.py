@@ -6,14 +6,16 @@
 * ``ssd_dt_backward`` per (chunk, batch*head): adds the chunk-end terms to the cumsum gradient,
   reverse-cumsums it into d(dt*A), and runs the dt prologue backward (clamp, softplus, bias).
 
-Notation (per head, inside one chunk): cs_t = sum_{j<=t} dt'_j A.  The cumsum gradient dcs
-arrives from ``ssd_dx`` as  dy_t.(y_t - D x_t) - dt'_t * ddt_direct_t;  the last position of a
-chunk also receives sum_s v_s (chunk-state path) and the passing term from here.
+Notation (per head, inside one chunk): cs_t = sum_{j<=t} dt'_j A.  The cumsum gradient is
+
+    dcs_t = es_t + sum_s M_ts - sum_u M_ut - v_t      (pair sums from ``ssd_dc`` / ``ssd_db``)
+
+and the chunk's last position also receives sum_s v_s and the passing term from here.
 """
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import dt_args, emit_softplus, header, load_bias
+from mambac.codegen.render_common import dt_args, emit_softplus, header, load_bias, to_io
 from mambac.codegen.writer import Writer
 
 
@@ -34,7 +36,7 @@ def render_state_pass_bwd(r: SSDRegion) -> str:
             w.line("c = NC - 1 - cc")
             w.line("idx = ((bi64 * NC + c) * H + h) * PN")
             w.comment("ds is the gradient of the state that leaves chunk c")
-            w.line(f"tl.store(dsout_ptr + idx + offs, ds.to({r.tl_io}), mask=m)")
+            w.line(f"tl.store(dsout_ptr + idx + offs, {to_io(r, 'ds')}, mask=m)")
             w.line(f"dec = tl.exp(tl.load(cs_ptr + (bh64 * NC + c) * {q} + {q - 1}))")
             w.line("s_in = tl.load(sin_ptr + idx + offs, mask=m, other=0.0).to(tl.float32)")
             w.line("tl.store(dtot_ptr + (bh64 * NC + c) * ntiles + pid, dec * tl.sum(s_in * ds, 0))")
@@ -50,22 +52,31 @@ def render_dt_backward(r: SSDRegion) -> str:
     header(w, "ssd_dt_backward", r, "dt backward: reverse cumsum and the prologue's backward.")
     if r.dt_softplus and r.dt_clamp:
         emit_softplus(w)
-    args = ["dt_ptr", "a_ptr"] + dt_args(r) + ["dtp_ptr", "ddtd_ptr", "dcs_ptr", "vpart_ptr",
-                                               "dtot_ptr", "ddt_ptr", "da_ptr"]
+    args = ["dt_ptr", "a_ptr"] + dt_args(r) + ["dtp_ptr", "ddtd_ptr", "es_ptr", "v_ptr", "mrow_ptr",
+                                               "mcol_ptr", "dtot_ptr", "ddt_ptr", "da_ptr"]
     args += ["dbias_ptr"] if r.has_dt_bias else []
-    args += ["L", "H", "NC", "sdb", "sdl", "sdh", "NV", "NDT", "QP: tl.constexpr",
-             "VP: tl.constexpr", "TP: tl.constexpr"]
+    args += ["L", "H", "NC", "sdb", "sdl", "sdh", "NTR", "RTR", "BSR", "NTC", "RTC", "BSC", "NDT",
+             "QP: tl.constexpr", "RP: tl.constexpr", "CP: tl.constexpr", "TP: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_dt_backward({', '.join(args)}):"):
         w.lines("pid_c = tl.program_id(0)", "pid_bh = tl.program_id(1)", "bh64 = pid_bh.to(tl.int64)",
                 "bi64 = bh64 // H", "h = pid_bh % H", "t = tl.arange(0, QP)", f"mq = t < {q}",
                 f"pos = pid_c * {q} + t", "valid = mq & (pos < L)",
                 f"row = bh64 * (NC * {q}) + pid_c * {q}", "part = bh64 * NC + pid_c",
-                "dcs = tl.load(dcs_ptr + row + t, mask=mq, other=0.0)",
-                "iv = tl.arange(0, VP)", "it = tl.arange(0, TP)")
+                "kr = tl.arange(0, RP)", "kc = tl.arange(0, CP)", "it = tl.arange(0, TP)")
+        w.comment("pair sums: slot k of a row holds partner tile k (of size BS*); the row tiles")
+        w.comment("(RT*) of ssd_dc visit partners before their end, those of ssd_db from their start")
+        w.line("mr = tl.load(mrow_ptr + (row + t)[:, None] * NTR + kr[None, :], "
+               "mask=mq[:, None] & (kr[None, :] < ((t // RTR + 1) * (RTR // BSR))[:, None]) "
+               "& (kr[None, :] < NTR), other=0.0)")
+        w.line("mc = tl.load(mcol_ptr + (row + t)[:, None] * NTC + kc[None, :], "
+               "mask=mq[:, None] & (kc[None, :] >= ((t // RTC) * (RTC // BSC))[:, None]) "
+               "& (kc[None, :] < NTC), other=0.0)")
+        w.line("v = tl.load(v_ptr + row + t, mask=mq, other=0.0)")
+        w.line("dcs = tl.load(es_ptr + row + t, mask=mq, other=0.0) + tl.sum(mr, 1) - tl.sum(mc, 1) - v")
         w.comment("chunk-end terms: the chunk-state path (v) and the state-passing path (tot)")
-        w.line("extra = tl.sum(tl.load(vpart_ptr + part * NV + iv, mask=iv < NV, other=0.0), 0)")
-        w.line("extra += tl.sum(tl.load(dtot_ptr + part * NDT + it, mask=it < NDT, other=0.0), 0)")
+        w.line("extra = tl.sum(v, 0) + tl.sum(tl.load(dtot_ptr + part * NDT + it, mask=it < NDT, "
+               "other=0.0), 0)")
         w.line(f"dcs = dcs + tl.where(t == {q - 1}, extra, 0.0)")
         w.line("dda = tl.cumsum(dcs, 0, reverse=True)")
         w.lines("a = tl.load(a_ptr + h).to(tl.float32)",
@@ -74,7 +85,7 @@ def render_dt_backward(r: SSDRegion) -> str:
                 "tl.store(da_ptr + part, tl.sum(dda * d, 0))")
         _prologue_backward(w, r)
         w.line("g = tl.where(valid, g, 0.0)")
-        w.line("tl.store(ddt_ptr + (bi64 * L + pos) * H + h, g.to(ddt_ptr.dtype.element_ty), mask=valid)")
+        w.line("tl.store(ddt_ptr + (bi64 * L + pos) * H + h, g, mask=valid)")
         if r.has_dt_bias:
             w.line("tl.store(dbias_ptr + part, tl.sum(g, 0))")
     return w.source()

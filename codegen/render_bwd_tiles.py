@@ -1,39 +1,43 @@
 """Renderers of the SSD backward's tiled kernels (the matmul-heavy part).
 
 Per head, inside one chunk, with L_ts = exp(cs_t - cs_s) for s <= t, dS the gradient of the
-state leaving the chunk and S_in the state entering it:
+state leaving the chunk, S_in the state entering it, G_ts = dy_t.x_s and the pair weight
+W_ts = G_ts L_ts dt'_s:
 
 * ``ssd_dx``  per (source tile s, chunk, batch*head block):
       acc_s = exp(cs_end - cs_s) B_s dS^T + sum_{t>=s} (B_s.C_t) L_ts dy_t
-      dx_s = dt'_s acc_s + D dy_s,   ddt_direct_s = x_s.acc_s,
-      dcs_s = dy_s.(y_s - D x_s) - dt'_s ddt_direct_s   (both sides of every decay factor)
+      dx_s = dt'_s acc_s + D dy_s,   ddt_direct_s = x_s.acc_s
   ``heads`` heads of one group per program (unrolled) share each B C^T tile.
 * ``ssd_dc``  per (target tile t, chunk, batch*group*split): sum over the split's heads of
-      exp(cs_t) dy_t S_in + sum_{s<=t} (dy_t.x_s) L_ts dt'_s B_s
+      exp(cs_t) dy_t S_in + sum_{s<=t} W_ts B_s
 * ``ssd_db``  per (source tile s, ...): sum over heads of
-      dt'_s exp(cs_end - cs_s) x_s dS + sum_{t>=s} (x_s.dy_t) L_ts dt'_s C_t
-  B and C are shared by a group's heads, so the (dy.x) weights are summed over heads first and
-  multiplied by B (or C) once per tile pair.
+      dt'_s exp(cs_end - cs_s) x_s dS + sum_{t>=s} W_ts C_t
+  B and C are shared by a group's heads, so W is summed over heads before the matmul.
+
+Rows come in tiles of BT, partners in tiles of BS (BS divides BT).  Both also write the pieces
+of the cumsum gradient, per head, from the same fp32 pair terms M_ts = W_ts (C_t.B_s): row sums
+(dc, one slot per partner tile), column sums (db, likewise), the output
+state term exp(cs_t) dy_t.(S_in C_t) (dc) and the chunk-state term v_s (db).  Every pair term
+enters once with + and once with -, so the reverse cumsum in ``ssd_dt_backward`` cancels them in
+fp32 arithmetic; a formulation through y and dt'*ddt would cancel bf16 rounding noise instead.
 """
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import (NEG, dense_store, dense_tile, emit_dims, emit_positions,
-                                          header, seq_tile, state_tile)
+from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, emit_dims,
+                                          emit_positions, header, seq_tile, state_tile, to_io)
 from mambac.codegen.writer import Writer
 
 
 def render_dx(r: SSDRegion, heads: int = 1) -> str:
-    """dx, ddt_direct, the cumsum gradient dcs, chunk-state v sums and dD parts."""
-    q, kw, io = r.chunk_size, r.dot_kwargs(), r.tl_io
+    """dx, the direct dt gradient x.acc and the dD parts, ``heads`` heads per program."""
+    q, io = r.chunk_size, r.tl_io
     w = Writer()
     header(w, "ssd_dx", r, f"Backward for x (and dt, D) with {heads} head(s) per program.")
-    args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr", ("stat_ptr" if r.has_z else "y_ptr")]
-    args += ["d_ptr", "dd_ptr"] if r.d_mode != "none" else []
-    args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr", "ddtd_ptr", "dcs_ptr", "vpart_ptr",
-             "L", "H", "HPG", "NC", "P", "N", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg",
-             "scb", "scl", "scg", "BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr",
-             "NP: tl.constexpr"]
+    args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
+    args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr", "ddtd_ptr", "L", "H", "HPG", "NC", "P", "N",
+             "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg", "BM: tl.constexpr",
+             "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_dx({', '.join(args)}):"):
         w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_bh = tl.program_id(2)",
@@ -47,26 +51,21 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
             h = f"h0 + {j}"
             w.line(f"row_{j} = (bi64 * H + {h}) * (NC * {q}) + pid_c * {q}")
             w.line(f"cs_s_{j} = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
-            w.line(f"dt_s_{j} = tl.load(dtp_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
             w.line(f"cend = tl.load(cs_ptr + row_{j} + {q - 1})")
             w.line("ds = " + state_tile("dsout_ptr", f"(bi64 * NC + pid_c) * H + {h}", True))
-            w.line(f"acc_{j} = tl.dot(b_s, ds.to({io}){kw}) * tl.exp(cend - cs_s_{j})[:, None]")
-            w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({h}) * sxh", "pos_s", "sxl", "offs_p",
-                                       "v_s", "m_p") + ".to(tl.float32)")
-            w.line(f"tl.store(vpart_ptr + ((bi64 * H + {h}) * NC + pid_c) * nm + pid_m, "
-                   f"tl.sum(tl.sum(acc_{j} * x_s, 1) * dt_s_{j}, 0))")
+            w.line(f"acc_{j} = {dot(r, 'b_s', f'ds.to({io})')} * tl.exp(cend - cs_s_{j})[:, None]")
         w.comment("intra-chunk path: targets t >= s")
         with w.block(f"for k0 in range((pid_m * BM) // BK * BK, {q}, BK):"):
             emit_positions(w, "t", "k0", "BK", q)
             w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n",
                                        "v_t", "m_n"))
-            w.line(f"cbt = tl.dot(b_s, tl.trans(c_t){kw})")
+            w.line(f"cbt = {dot(r, 'b_s', 'tl.trans(c_t)')}")
             w.line("causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
             for j in range(heads):
                 w.line(f"cs_t = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
                 w.line(f"wj = cbt * tl.exp(tl.where(causal, cs_t[None, :] - cs_s_{j}[:, None], {NEG}))")
                 w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", f"h0 + {j}", "v_t"))
-                w.line(f"acc_{j} = tl.dot(wj.to({io}), dy_t, acc_{j}{kw})")
+                w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'dy_t', f'acc_{j}')}")
         for j in range(heads):
             _dx_epilogue(w, r, j)
     return w.source()
@@ -77,89 +76,97 @@ def _dx_epilogue(w: Writer, r: SSDRegion, j: int) -> None:
     w.comment(f"epilogue of head {j}")
     w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({h}) * sxh", "pos_s", "sxl", "offs_p",
                                "v_s", "m_p") + ".to(tl.float32)")
-    w.line(f"ddtd = tl.sum(acc_{j} * x_s, 1)")
-    w.line(f"dx = acc_{j} * dt_s_{j}[:, None]")
-    w.line("dy_s = " + dense_tile("dy_ptr", "pos_s", h, "v_s") + ".to(tl.float32)")
+    w.line(f"tl.store(ddtd_ptr + row_{j} + s, tl.sum(acc_{j} * x_s, 1), mask=s < {q})")
+    w.line(f"dx = acc_{j} * tl.load(dtp_ptr + row_{j} + s, mask=s < {q}, other=0.0)[:, None]")
     part = f"((bi64 * NC + pid_c) * nm + pid_m) * H + {h}"
+    if r.d_mode != "none":
+        w.line("dy_s = " + dense_tile("dy_ptr", "pos_s", h, "v_s") + ".to(tl.float32)")
     if r.d_mode == "head":
-        w.line(f"dval = tl.load(d_ptr + {h}).to(tl.float32)")
-        w.line("dx += dval * dy_s")
+        w.line(f"dx += tl.load(d_ptr + {h}).to(tl.float32) * dy_s")
         w.line(f"tl.store(dd_ptr + {part}, tl.sum(tl.sum(dy_s * x_s, 1), 0))")
     elif r.d_mode == "head_dim":
-        w.line(f"dval = tl.load(d_ptr + ({h}) * P + offs_p, mask=m_p, other=0.0).to(tl.float32)[None, :]")
-        w.line("dx += dval * dy_s")
+        w.line(f"dx += tl.load(d_ptr + ({h}) * P + offs_p, mask=m_p, other=0.0).to(tl.float32)"
+               "[None, :] * dy_s")
         w.line(f"tl.store(dd_ptr + ({part}) * P + offs_p, tl.sum(dy_s * x_s, 0), mask=m_p)")
-    if r.has_z:
-        w.line(f"stat = tl.load(stat_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
-    else:
-        w.line("y_s = " + dense_tile("y_ptr", "pos_s", h, "v_s") + ".to(tl.float32)")
-        if r.d_mode != "none":
-            w.line("y_s = y_s - dval * x_s")
-        w.line("stat = tl.sum(dy_s * y_s, 1)")
-    w.line(f"tl.store(ddtd_ptr + row_{j} + s, ddtd, mask=s < {q})")
-    w.line(f"tl.store(dcs_ptr + row_{j} + s, stat - dt_s_{j} * ddtd, mask=s < {q})")
-    w.line(dense_store("dx_ptr", "pos_s", h, "v_s", "dx.to(dx_ptr.dtype.element_ty)"))
+    w.line(dense_store("dx_ptr", "pos_s", h, "v_s", to_io(r, "dx")))
 
 
 def render_dbc(r: SSDRegion, which: str) -> str:
     """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows)."""
     if which not in ("b", "c"):
         raise ValueError("which must be 'b' or 'c'")
-    q, kw, io = r.chunk_size, r.dot_kwargs(), r.tl_io
-    name = f"ssd_d{which}"
+    q = r.chunk_size
+    name, own, other = f"ssd_d{which}", which, ("b" if which == "c" else "c")
     w = Writer()
-    header(w, name, r, f"Backward for {which.upper()}: per group, summed over the heads of a split.")
-    other = "b" if which == "c" else "c"
-    args = ["x_ptr", f"{other}_ptr", "dy_ptr", "dtp_ptr", "cs_ptr",
-            "sin_ptr" if which == "c" else "dsout_ptr", "out_ptr", "L", "H", "HPG", "G", "NC",
-            "P", "N", "HS", "sxb", "sxl", "sxh", f"s{other}b", f"s{other}l", f"s{other}g",
-            "BT: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
+    header(w, name, r, f"Backward for {which.upper()} per group (summed over a split's heads), "
+           "and the cumsum-gradient pieces of its side.")
+    args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr", "dtp_ptr", "cs_ptr",
+            "sin_ptr" if which == "c" else "dsout_ptr", "out_ptr",
+            "es_ptr" if which == "c" else "v_ptr", "pair_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
+            "HS", "NT", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg",
+            "BT: tl.constexpr", "BS: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
+    rows = "t" if which == "c" else "s"
     w.line("@triton.jit")
     with w.block(f"def {name}({', '.join(args)}):"):
         w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_x = tl.program_id(2)",
                 "bi = pid_x // (G * HS)", "g = (pid_x % (G * HS)) // HS", "hs = pid_x % HS",
                 "bi64 = bi.to(tl.int64)", "hps = HPG // HS", "hbase = g * HPG + hs * hps")
-        rows = "t" if which == "c" else "s"
         emit_positions(w, rows, "pid_m * BT", "BT", q)
         emit_dims(w)
+        w.line(f"{own}_r = " + seq_tile(f"{own}_ptr", f"bi64 * s{own}b + g * s{own}g", f"pos_{rows}",
+                                        f"s{own}l", "offs_n", f"v_{rows}", "m_n"))
         w.line("acc = tl.zeros((BT, NP), dtype=tl.float32)")
         with w.block("for hh in range(hbase, hbase + hps):"):
             w.line(f"row = (bi64 * H + hh) * (NC * {q}) + pid_c * {q}")
             w.line(f"cs_r = tl.load(cs_ptr + row + {rows}, mask={rows} < {q}, other=0.0)")
             if which == "c":
-                w.comment("path through the state entering the chunk")
-                w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", "hh", "v_t"))
-                w.line("st = " + state_tile("sin_ptr", "(bi64 * NC + pid_c) * H + hh", False))
-                w.line(f"acc += tl.dot(dy_t, st.to({io}){kw}) * tl.exp(cs_r)[:, None]")
+                _dc_state_path(w, r)
             else:
-                w.comment("path through the state leaving the chunk")
-                w.line(f"dt_r = tl.load(dtp_ptr + row + s, mask=s < {q}, other=0.0)")
-                w.line(f"cend = tl.load(cs_ptr + row + {q - 1})")
-                w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p",
-                                           "v_s", "m_p"))
-                w.line("ds = " + state_tile("dsout_ptr", "(bi64 * NC + pid_c) * H + hh", False))
-                w.line(f"acc += tl.dot(x_s, ds.to({io}){kw}) * (dt_r * tl.exp(cend - cs_r))[:, None]")
-        _dbc_pairs(w, r, which, q, kw, io)
+                _db_state_path(w, r)
+        _dbc_pairs(w, r, which, own, other)
         w.line(f"out = out_ptr + ((bi64 * L + pos_{rows}[:, None]) * HS + hs) * G * N + g * N"
                " + offs_n[None, :]")
         w.line(f"tl.store(out, acc, mask=v_{rows}[:, None] & m_n[None, :])")
     return w.source()
 
 
-def _dbc_pairs(w: Writer, r: SSDRegion, which: str, q: int, kw: str, io: str) -> None:
-    """Loop over partner tiles; weights summed over heads, then one matmul with B or C."""
-    part = "s" if which == "c" else "t"
-    loop = ("for k0 in range(0, pid_m * BT + BT, BT):" if which == "c"
-            else f"for k0 in range(pid_m * BT, {q}, BT):")
+def _dc_state_path(w: Writer, r: SSDRegion) -> None:
+    q = r.chunk_size
+    w.comment("path through the state entering the chunk; es = exp(cs_t) dy_t.(S_in C_t)")
+    w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", "hh", "v_t"))
+    w.line("st = " + state_tile("sin_ptr", "(bi64 * NC + pid_c) * H + hh", False))
+    w.line(f"e = {dot(r, 'dy_t', f'st.to({r.tl_io})')} * tl.exp(cs_r)[:, None]")
+    w.line("acc += e")
+    w.line(f"tl.store(es_ptr + row + t, tl.sum(e * c_r.to(tl.float32), 1), mask=t < {q})")
+
+
+def _db_state_path(w: Writer, r: SSDRegion) -> None:
+    q = r.chunk_size
+    w.comment("path through the state leaving the chunk; v = dt'_s exp(cs_end - cs_s) x_s.(dS B_s)")
+    w.line(f"dt_r = tl.load(dtp_ptr + row + s, mask=s < {q}, other=0.0)")
+    w.line(f"cend = tl.load(cs_ptr + row + {q - 1})")
+    w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p", "v_s", "m_p"))
+    w.line("ds = " + state_tile("dsout_ptr", "(bi64 * NC + pid_c) * H + hh", False))
+    w.line(f"f = {dot(r, 'x_s', f'ds.to({r.tl_io})')} * (dt_r * tl.exp(cend - cs_r))[:, None]")
+    w.line("acc += f")
+    w.line(f"tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=s < {q})")
+
+
+def _dbc_pairs(w: Writer, r: SSDRegion, which: str, own: str, other: str) -> None:
+    """Partner tiles: per head the pair weights W (and their M sums), then one matmul."""
+    q, io = r.chunk_size, r.tl_io
+    part, rows = ("s", "t") if which == "c" else ("t", "s")
+    loop = ("for k0 in range(0, pid_m * BT + BT, BS):" if which == "c"
+            else f"for k0 in range(pid_m * BT, {q}, BS):")
     w.comment("intra-chunk path: " + ("sources s <= t" if which == "c" else "targets t >= s"))
     with w.block(loop):
-        emit_positions(w, part, "k0", "BT", q)
-        other = "b" if which == "c" else "c"
+        emit_positions(w, part, "k0", "BS", q)
         w.line(f"{other}_p = " + seq_tile(f"{other}_ptr", f"bi64 * s{other}b + g * s{other}g",
                                           f"pos_{part}", f"s{other}l", "offs_n", f"v_{part}", "m_n"))
+        w.line(f"cb = {dot(r, f'{own}_r', f'tl.trans({other}_p)')}  # C_t.B_s, rows = {rows}")
         w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]" if which == "c"
                else "causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
-        w.line("wsum = tl.zeros((BT, BT), dtype=tl.float32)")
+        w.line("wsum = tl.zeros((BT, BS), dtype=tl.float32)")
         with w.block("for hh in range(hbase, hbase + hps):"):
             w.line(f"row = (bi64 * H + hh) * (NC * {q}) + pid_c * {q}")
             w.line(f"cs_t = tl.load(cs_ptr + row + t, mask=t < {q}, other=0.0)")
@@ -169,11 +176,14 @@ def _dbc_pairs(w: Writer, r: SSDRegion, which: str, q: int, kw: str, io: str) ->
             w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p",
                                        "v_s", "m_p"))
             if which == "c":
-                w.line(f"gm = tl.dot(dy_t, tl.trans(x_s){kw})")
-                w.line(f"wsum += gm * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], {NEG}))"
+                w.line(f"gm = {dot(r, 'dy_t', 'tl.trans(x_s)')}")
+                w.line(f"wj = gm * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], {NEG}))"
                        " * dt_s[None, :]")
             else:
-                w.line(f"gm = tl.dot(x_s, tl.trans(dy_t){kw})")
-                w.line(f"wsum += gm * tl.exp(tl.where(causal, cs_t[None, :] - cs_s[:, None], {NEG}))"
+                w.line(f"gm = {dot(r, 'x_s', 'tl.trans(dy_t)')}")
+                w.line(f"wj = gm * tl.exp(tl.where(causal, cs_t[None, :] - cs_s[:, None], {NEG}))"
                        " * dt_s[:, None]")
-        w.line(f"acc = tl.dot(wsum.to({io}), {other}_p, acc{kw})")
+            w.line("wsum += wj")
+            w.line(f"tl.store(pair_ptr + (row + {rows}) * NT + k0 // BS, tl.sum(wj * cb, 1), "
+                   f"mask=({rows} < {q}) & (k0 < {q}))")
+        w.line(f"acc = {dot(r, to_io(r, 'wsum'), f'{other}_p', 'acc')}")

@@ -11,14 +11,14 @@ Forward = three launches:
    handles ``heads`` heads of one group, unrolled, so each C B^T tile is computed once for all.
 
 ``ssd_chunk_state`` in mode "dstate" is the backward's  sum_t exp(cs_t) dy_t C_t^T, and
-``ssd_chunk_scan`` in mode "gate_backward" recomputes y to give dz, dy and dy.(y - D x).
+``ssd_chunk_scan`` in mode "gate_backward" recomputes y to give dz and the gated dy.
 """
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dt_args, dt_call,
+from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, dt_args, dt_call,
                                           emit_dims, emit_dt_helpers, emit_positions, header,
-                                          load_bias, seq_tile, state_tile)
+                                          load_bias, seq_tile, state_tile, to_io)
 from mambac.codegen.writer import Writer
 
 CHUNK_STATE_MODES = ("forward", "dstate")
@@ -34,7 +34,7 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward") -> str:
     if mode not in CHUNK_STATE_MODES:
         raise ValueError(f"mode must be one of {CHUNK_STATE_MODES}")
     fwd = mode == "forward"
-    name, q, kw = chunk_state_name(mode), r.chunk_size, r.dot_kwargs()
+    name, q = chunk_state_name(mode), r.chunk_size
     w = Writer()
     header(w, name, r, "Per-chunk state: prologue + dA cumsum + x^T (B * decay-to-end * dt)." if fwd
            else "Per-chunk gradient state: dy^T (C * exp(cs)).")
@@ -63,16 +63,16 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward") -> str:
         with w.block(f"for k0 in range(0, {q}, BT):"):
             emit_positions(w, "s", "k0", "BT", q)
             if fwd:
-                _chunk_state_forward_body(w, r, q, kw)
+                _chunk_state_forward_body(w, r, q)
             else:
-                _chunk_state_dstate_body(w, r, q, kw)
+                _chunk_state_dstate_body(w, r, q)
         out = "states_ptr" if fwd else "dst_ptr"
         w.line(f"tl.store({out} + ((bi64 * NC + pid_c) * H + h) * P * N + offs_p[:, None] * N"
                " + offs_n[None, :], acc, mask=m_p[:, None] & m_n[None, :])")
     return w.source()
 
 
-def _chunk_state_forward_body(w: Writer, r: SSDRegion, q: int, kw: str) -> None:
+def _chunk_state_forward_body(w: Writer, r: SSDRegion, q: int) -> None:
     w.line("d = tl.load(dt_ptr + bi64 * sdb + pos_s * sdl + h * sdh, mask=v_s, other=0.0)"
            ".to(tl.float32)")
     w.comment("prologue, then zero outside the sequence so padded steps neither add nor decay")
@@ -83,19 +83,19 @@ def _chunk_state_forward_body(w: Writer, r: SSDRegion, q: int, kw: str) -> None:
     w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + h * sxh", "pos_s", "sxl", "offs_p", "v_s",
                                "m_p", transpose=True))
     w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
-    w.line(f"bw = (b_s.to(tl.float32) * (d * tl.exp(end - cs))[:, None]).to({r.tl_io})")
+    w.line("bw = " + to_io(r, "b_s.to(tl.float32) * (d * tl.exp(end - cs))[:, None]"))
     w.comment("rescale what earlier blocks added to this block's end, then add this block")
-    w.line(f"acc = tl.dot(x_s, bw, acc * tl.exp(end - run){kw})")
+    w.line("acc = " + dot(r, "x_s", "bw", "acc * tl.exp(end - run)"))
     w.line("run = end")
 
 
-def _chunk_state_dstate_body(w: Writer, r: SSDRegion, q: int, kw: str) -> None:
+def _chunk_state_dstate_body(w: Writer, r: SSDRegion, q: int) -> None:
     w.line(f"cs = tl.load(cs_ptr + row + s, mask=s < {q}, other=0.0)")
     w.line("dy_s = tl.load(dy_ptr + ((bi64 * L + pos_s[None, :]) * H + h) * P + offs_p[:, None], "
            "mask=v_s[None, :] & m_p[:, None], other=0.0)")
     w.line("c_s = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_s", "scl", "offs_n", "v_s", "m_n"))
-    w.line(f"cw = (c_s.to(tl.float32) * tl.exp(cs)[:, None]).to({r.tl_io})")
-    w.line(f"acc = tl.dot(dy_s, cw, acc{kw})")
+    w.line("cw = " + to_io(r, "c_s.to(tl.float32) * tl.exp(cs)[:, None]"))
+    w.line("acc = " + dot(r, "dy_s", "cw", "acc"))
 
 
 def render_state_pass(r: SSDRegion) -> str:
@@ -116,7 +116,7 @@ def render_state_pass(r: SSDRegion) -> str:
             w.line("s = tl.zeros((BLK,), dtype=tl.float32)")
         with w.block("for c in range(0, NC):"):
             w.line("idx = ((bi64 * NC + c) * H + h) * PN")
-            w.line(f"tl.store(sin_ptr + idx + offs, s.to({r.tl_io}), mask=m)")
+            w.line(f"tl.store(sin_ptr + idx + offs, {to_io(r, 's')}, mask=m)")
             w.line(f"tot = tl.load(cs_ptr + (bh64 * NC + c) * {q} + {q - 1})")
             w.line("st = tl.load(states_ptr + idx + offs, mask=m, other=0.0)")
             w.line("s = s * tl.exp(tot) + st")
@@ -134,14 +134,14 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
         raise ValueError(f"mode must be one of {CHUNK_SCAN_MODES}")
     if mode == "gate_backward" and not r.has_z:
         raise ValueError("the gate backward kernel exists only for regions with z")
-    name, q, kw, io = chunk_scan_name(mode), r.chunk_size, r.dot_kwargs(), r.tl_io
+    name, q, io = chunk_scan_name(mode), r.chunk_size, r.tl_io
     w = Writer()
     header(w, name, r, f"Chunk output for {heads} head(s) per program"
            + (": y = C S_in + masked (C B^T) x, D skip, z gate." if mode == "forward"
-              else ": recompute y, then dz, dy = dy_out*silu(z) and dy.(y - D x)."))
+              else ": recompute y, then dz and dy = dy_out * silu(z)."))
     args = ["x_ptr", "b_ptr", "c_ptr"] + (["z_ptr"] if r.has_z else [])
     args += ["d_ptr"] if r.d_mode != "none" else []
-    args += ["y_ptr"] if mode == "forward" else ["dyo_ptr", "dz_ptr", "dy_ptr", "stat_ptr"]
+    args += ["y_ptr"] if mode == "forward" else ["dyo_ptr", "dz_ptr", "dy_ptr"]
     args += ["dtp_ptr", "cs_ptr", "sin_ptr", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
@@ -159,13 +159,13 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
             w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
             w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
             w.line(f"st_{j} = " + state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True))
-            w.line(f"acc_{j} = tl.dot(c_t, st_{j}.to({io}){kw}) * tl.exp(cs_t_{j})[:, None]")
+            w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}.to({io})')} * tl.exp(cs_t_{j})[:, None]")
         w.comment("causal intra-chunk part; C B^T is shared by the heads of this program")
         with w.block("for k0 in range(0, pid_m * BM + BM, BK):"):
             emit_positions(w, "s", "k0", "BK", q)
             w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n",
                                        "v_s", "m_n"))
-            w.line(f"cb = tl.dot(c_t, tl.trans(b_s){kw})")
+            w.line(f"cb = {dot(r, 'c_t', 'tl.trans(b_s)')}")
             w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
             for j in range(heads):
                 w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
@@ -174,7 +174,7 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
                        " * dt_s[None, :]")
                 w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + (h0 + {j}) * sxh", "pos_s", "sxl",
                                            "offs_p", "v_s", "m_p"))
-                w.line(f"acc_{j} = tl.dot(wj.to({io}), x_s, acc_{j}{kw})")
+                w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'x_s', f'acc_{j}')}")
         for j in range(heads):
             _chunk_scan_epilogue(w, r, j, mode)
     return w.source()
@@ -200,12 +200,10 @@ def _chunk_scan_epilogue(w: Writer, r: SSDRegion, j: int, mode: str) -> None:
     if mode == "forward":
         if r.has_z:
             w.line("y = y * zz * sg")
-        w.line(dense_store("y_ptr", "pos_t", h, "v_t", f"y.to({r.tl_io})"))
+        w.line(dense_store("y_ptr", "pos_t", h, "v_t", to_io(r, "y")))
         return
     w.line("dyo = " + dense_tile("dyo_ptr", "pos_t", h, "v_t") + ".to(tl.float32)")
     w.line("dz = dyo * y * sg * (1.0 + zz * (1.0 - sg))")
     w.line("dyv = dyo * zz * sg")
-    w.line(dense_store("dz_ptr", "pos_t", h, "v_t", "dz.to(dz_ptr.dtype.element_ty)"))
-    w.line(dense_store("dy_ptr", "pos_t", h, "v_t", f"dyv.to({r.tl_io})"))
-    w.comment("dy . (y - D x): the cumsum gradient of the output side, for the dt backward")
-    w.line(f"tl.store(stat_ptr + row_{j} + t, tl.sum(dyv * acc_{j}, 1), mask=t < {r.chunk_size})")
+    w.line(dense_store("dz_ptr", "pos_t", h, "v_t", to_io(r, "dz")))
+    w.line(dense_store("dy_ptr", "pos_t", h, "v_t", to_io(r, "dyv")))

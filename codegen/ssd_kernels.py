@@ -1,7 +1,7 @@
 """Generated-kernel implementation of ``mambac::ssd``: forward launcher and CUDA registration.
 
 ``ssd_forward`` runs the three forward kernels of ``render_fwd`` (see there for what each does)
-for the region its arguments describe; ``ssd_backward`` (``ssd_backward.py``) the backward.
+for the region its arguments describe; ``ssd_backward`` (``ssd_kernels_bwd.py``) the backward.
 ``register_cuda_kernels()`` makes the forward the CUDA implementation of ``mambac::ssd``; calls
 the kernels cannot take (float64, CPU tensors) fall back to the op's reference.
 """
@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from mambac.codegen import render_fwd
+from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import IO_DTYPES, SSDRegion, TileConfig, region_for
 from mambac.codegen.ssd_launch import (Dims, Family, cdiv, chunk_state_candidates,
                                        head_block_candidates, run_family, state_pass_candidates)
@@ -71,13 +72,16 @@ def prepare(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[
             z: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor],
             chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float) -> Prepared:
     """Cast B/C to x's dtype, make innermost dims dense, and describe the region."""
+    # the interpreter cannot multiply half types (see SSDRegion.dot_precision)
+    upcast = interpreting() and x.dtype in (torch.bfloat16, torch.float16)
     region = region_for(x, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_state=initial_state,
-                        dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max)
+                        dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
+                        dot_precision="upcast" if upcast else "auto")
     b, l, h, p = x.shape
     dims = Dims(b=b, l=l, h=h, g=B.shape[2], p=p, n=B.shape[3], q=int(chunk_size))
     return Prepared(region=region, dims=dims, x=_dense_last(x), dt=dt, A=A.contiguous(),
                     B=_dense_last(B, x.dtype), C=_dense_last(C, x.dtype),
-                    D=None if D is None else D.contiguous(), z=_dense_last(z),
+                    D=None if D is None else D.contiguous(), z=_dense_last(z, x.dtype),
                     dt_bias=None if dt_bias is None else dt_bias.contiguous(),
                     init=None if initial_state is None else initial_state.contiguous(),
                     dt_min=float(dt_min), dt_max=float(dt_max))

@@ -97,19 +97,29 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
     return [o for o in options if n % o == 0]
 
 
-def head_block_candidates(d: Dims) -> list[TileConfig]:
-    """Tiles of the kernels that unroll several heads of a group (chunk scan, dx)."""
+# (heads, block_m, block_k, num_warps, num_stages); chosen from sm_90 resource reports of the
+# generated code (registers, no or little spilling at headdim 64 / dstate 128)
+_HEAD_BLOCK_TILES = ((1, 64, 64, 4, 2), (2, 64, 32, 8, 3), (4, 64, 32, 8, 2))
+_DX_TILES = ((1, 64, 64, 8, 2), (2, 64, 32, 8, 3))
+
+
+def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
     hb = _divisors(d.hpg, (4, 2, 1))
     if autotune.interpreting():
         return [TileConfig(block_m=16, block_k=16, heads=min(hb[0], 2), num_warps=1)]
     big = max(d.pp, d.np_) > 128
-    out = []
-    for heads, bm, bk, warps, stages in ((2, 64, 64, 4, 2), (4, 64, 64, 8, 2), (2, 64, 32, 4, 3),
-                                         (1, 128, 64, 8, 2), (1, 64, 64, 4, 3)):
-        if heads in hb and not (big and heads > 2):
-            out.append(TileConfig(block_m=bm, block_k=bk, heads=heads, num_warps=warps,
-                                  num_stages=stages))
-    return out
+    out = [TileConfig(block_m=bm, block_k=bk, heads=h, num_warps=w, num_stages=st)
+           for h, bm, bk, w, st in table if h in hb and not (big and h > 1)]
+    return out or [TileConfig(block_m=64, block_k=32, heads=1, num_warps=8, num_stages=2)]
+
+
+def head_block_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of the kernels that unroll several heads of a group (chunk scan, gate backward)."""
+    return _head_tiles(d, _HEAD_BLOCK_TILES)
+
+
+def dx_candidates(d: Dims) -> list[TileConfig]:
+    return _head_tiles(d, _DX_TILES)
 
 
 def chunk_state_candidates(d: Dims) -> list[TileConfig]:
@@ -118,7 +128,15 @@ def chunk_state_candidates(d: Dims) -> list[TileConfig]:
         return [TileConfig(block_m=d.pp, block_k=16, num_warps=1)]
     bp = min(d.pp, 64)
     return [TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3),
-            TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
+            TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4)]
+
+
+def dstate_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of the backward's per-chunk dy^T C reduction (it holds more live tiles)."""
+    if autotune.interpreting():
+        return chunk_state_candidates(d)
+    bp = min(d.pp, 64)
+    return [TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
             TileConfig(block_m=bp, block_k=64, num_warps=8, num_stages=2)]
 
 
@@ -126,18 +144,17 @@ def state_pass_candidates(d: Dims) -> list[TileConfig]:
     """Tiles of the sequential passes: block_m is the number of state entries per program."""
     if autotune.interpreting():
         return [TileConfig(block_m=256, num_warps=1)]
-    return [TileConfig(block_m=bm, num_warps=4, num_stages=2) for bm in (256, 512, 1024)]
+    return [TileConfig(block_m=bm, num_warps=4, num_stages=2) for bm in (512, 1024)]
 
 
 def group_candidates(d: Dims) -> list[TileConfig]:
-    """Tiles of the dB / dC kernels: block_m is the square tile, splits the head splits."""
+    """Tiles of the dB / dC kernels: block_m rows, block_k partner positions, splits the number
+    of programs that share one group's heads."""
     if autotune.interpreting():
-        return [TileConfig(block_m=16, splits=_divisors(d.hpg, (2, 1))[0], num_warps=1)]
-    out = []
-    for splits in _divisors(d.hpg, (1, 2, 4, 8)):
-        out.append(TileConfig(block_m=64, splits=splits, num_warps=4, num_stages=2))
-    out.append(TileConfig(block_m=64, splits=out[-1].splits, num_warps=8, num_stages=2))
-    return out
+        return [TileConfig(block_m=32, block_k=16, splits=_divisors(d.hpg, (2, 1))[0], num_warps=1)]
+    # splits only changes the launch grid, so those candidates share one compiled kernel
+    return [TileConfig(block_m=64, block_k=32, splits=s, num_warps=8, num_stages=2)
+            for s in _divisors(d.hpg, (1, 2, 4, 8))]
 
 
 def single_candidate(d: Dims) -> list[TileConfig]:

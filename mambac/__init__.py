@@ -10,7 +10,8 @@ from mambac.convert import from_pretrained  # noqa: F401
 from mambac.errors import (MambacCaptureError, MambacConfigError, MambacError, MambacInputError,
                            MambacOptionsError, MambacPassError, MambacRuntimeError)
 from mambac.options import CompileOptions
+from mambac.training import clip_grad_norm_
 
 __version__ = "0.1.0"
 __all__ = ["compile", "capture", "from_pretrained", "CompileOptions", "MambacError", "MambacInputError", "MambacOptionsError",
-           "MambacConfigError", "MambacCaptureError", "MambacPassError", "MambacRuntimeError"]
+           "MambacConfigError", "MambacCaptureError", "MambacPassError", "MambacRuntimeError", "clip_grad_norm_"]

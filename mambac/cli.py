@@ -1,7 +1,9 @@
-"""The ``mambac`` command line: dump lowered graphs, run the demo.
+"""The ``mambac`` command line: dump lowered graphs, launch ranks, run the demo.
 
-    mambac dump MODEL [--stage NAME|all] [--format text|dot|svg] [-o FILE] [--batch B --seqlen L] [options]
-    mambac demo [--preset NAME]
+    mambac dump MODEL [--stage NAME|all] [--format text|dot|svg] [-o FILE] [--batch B --seqlen L]
+                      [--world-size W --rank R --tp T --dp D --sequence-parallel]
+    mambac run -n W [--timeout S] script.py args...
+    mambac demo [--steps N ...]
 
 MODEL is a built-in preset name (``mambac dump --list``), ``path/to/file.py:factory`` (a function
 returning an nn.Module), or a local checkpoint directory.
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -33,12 +34,8 @@ def load_model(spec: str) -> torch.nn.Module:
     if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
         return _from_factory(*spec.split(":", 1))
     if Path(spec).is_dir():
-        import mambac
-        loader = getattr(mambac, "from_pretrained", None)
-        if loader is None:
-            raise MambacInputError("loading checkpoint directories needs mambac.from_pretrained, "
-                                   "which this installation lacks.")
-        return loader(spec)
+        from mambac.convert import from_pretrained
+        return from_pretrained(spec)
     raise MambacInputError(f"cannot resolve model {spec!r}: give a preset ({', '.join(sorted(PRESETS))}), "
                            "a file.py:factory, or a checkpoint directory.")
 
@@ -85,9 +82,15 @@ def cmd_dump(args: argparse.Namespace) -> int:
     if args.format == "svg" and shutil.which("dot") is None:
         raise MambacInputError("--format svg needs Graphviz's `dot` program, which is not on PATH. Install it "
                                "(Debian/Ubuntu: apt-get install graphviz) or use --format dot / text.")
-    model = load_model(args.model)
-    compiled = mambac.compile(model, world_size=args.world_size, example_inputs=_example_inputs(model, args.batch, args.seqlen))
-    program = next(iter(compiled.programs.values()))
+    from mambac.convert import prepare_model
+    from mambac.lowering import lower_all_ranks
+
+    model = prepare_model(load_model(args.model))
+    if not 0 <= args.rank < args.world_size:
+        raise MambacInputError(f"--rank {args.rank} is not a rank of --world-size {args.world_size}.")
+    programs = lower_all_ranks(model, _example_inputs(model, args.batch, args.seqlen), args.world_size,
+                               **_mesh_options(args))
+    program = programs[args.rank]
     history = program.ctx.history
     stages = [n for n, _ in history]
     if args.stage == "all":
@@ -108,6 +111,19 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mesh_options(args: argparse.Namespace) -> dict:
+    opts = {"dp": args.dp, "sequence_parallel": args.sequence_parallel}
+    if args.tp is not None:
+        opts["tp"] = args.tp
+    return opts
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from mambac.runtime.launcher import launch
+
+    return launch(args.nprocs, args.script, args.args, timeout=args.timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mambac", description="mambac: a compiler for Mamba-family models.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -116,11 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--list", action="store_true", help="list the built-in presets")
     d.add_argument("--stage", default="", help="pass name, or 'all' (default: the last pass)")
     d.add_argument("--format", choices=("text", "dot", "svg"), default="text")
-    d.add_argument("--world-size", type=int, default=1)
+    d.add_argument("--world-size", type=int, default=1, help="lower the program of every rank of W")
+    d.add_argument("--rank", type=int, default=0, help="which rank's program to print")
+    d.add_argument("--tp", type=int, default=None)
+    d.add_argument("--dp", type=int, default=1)
+    d.add_argument("--sequence-parallel", action="store_true")
     d.add_argument("--batch", type=int, default=2)
     d.add_argument("--seqlen", type=int, default=64)
     d.add_argument("-o", "--output", default="")
     d.set_defaults(fn=cmd_dump)
+    r = sub.add_parser("run", help="launch W ranks of a script through torch.distributed.run")
+    r.add_argument("-n", "--nprocs", type=int, required=True)
+    r.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
+    r.add_argument("script")
+    r.add_argument("args", nargs=argparse.REMAINDER)
+    r.set_defaults(fn=cmd_run)
     sub.add_parser("demo", help="run the main job (options: mambac demo --help)")
     return ap
 

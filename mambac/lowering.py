@@ -1,4 +1,10 @@
-"""Lowering: capture one forward signature of a model and run the pass pipeline on it."""
+"""Lowering: capture one forward signature of a model and run the pass pipeline on it.
+
+For more than one rank, rank r's program is lowered from rank r's *local model* (``mambac.plan``:
+parameters cut to its shards, local sizes), with the plan and mesh in ``gm.meta`` for the
+sharding passes.  ``lower_all_ranks`` lowers every rank's program without any process group (for
+``mambac dump --world-size W`` and for reading the collectives a configuration implies).
+"""
 from __future__ import annotations
 
 import inspect
@@ -10,6 +16,7 @@ import torch.fx
 
 from mambac import capture as capture_mod
 from mambac.errors import MambacInputError
+from mambac.ir import GLOBAL_SHAPES, MESH, PLAN, VAL, MeshSpec
 from mambac.knobs import knobs
 from mambac.options import CompileOptions
 from mambac.passes.context import PassContext
@@ -24,6 +31,22 @@ class Lowered:
     gm: torch.fx.GraphModule
     ctx: PassContext
     signature: tuple[bool, ...]
+
+
+@dataclass
+class RankSetup:
+    """What one rank's programs are lowered from: its local model, plan and mesh."""
+
+    model: torch.nn.Module
+    plan: Any
+    mesh: MeshSpec
+
+
+def rank_setup(model: torch.nn.Module, options: CompileOptions, mesh: MeshSpec) -> RankSetup:
+    """Build the local model of the rank ``mesh`` describes (copies of its parameter shards)."""
+    from mambac.plan import local_model, make_plan
+    plan = make_plan(model, mesh.tp, mesh.tp_rank, dict(options.plan))
+    return RankSetup(model=local_model(model, plan), plan=plan, mesh=mesh)
 
 
 def bind_inputs(model: torch.nn.Module, args: Sequence[Any], kwargs: dict) -> list[Any]:
@@ -52,12 +75,41 @@ def make_context(options: CompileOptions, rank: int = 0) -> PassContext:
     )
 
 
-def lower(model: torch.nn.Module, values: Sequence[Any], options: CompileOptions, rank: int = 0) -> Lowered:
-    """Capture ``model`` for the given (bound) input values and run the pipeline for ``rank``."""
+def lower(model: torch.nn.Module, values: Sequence[Any], options: CompileOptions, rank: int = 0,
+          setup: RankSetup | None = None) -> Lowered:
+    """Capture ``model`` (``setup.model`` for a rank of several) for the given (bound) input values
+    and run the pipeline for ``rank``."""
+    full_model = model
+    if setup is not None:
+        model = setup.model
     names = list(inspect.signature(model.forward).parameters)
     concrete = {n: None for n, v in zip(names, values) if v is None}
     gm = capture_mod.trace_with(model, concrete)
     capture_mod.propagate_shapes(gm, list(values))
+    if setup is not None:
+        gm.meta[PLAN], gm.meta[MESH] = setup.plan, setup.mesh
+        gm.meta[GLOBAL_SHAPES] = _global_shapes(full_model, concrete, values)
     ctx = make_context(options, rank)
     gm = run_passes(gm, ctx, pipeline_for(options))
     return Lowered(gm=gm, ctx=ctx, signature=signature_of(values))
+
+
+def _global_shapes(model: torch.nn.Module, concrete: dict, values: Sequence[Any]) -> dict[str, tuple]:
+    """Node name -> shape in the unsharded model's graph (the local graph has the same node names):
+    tells the sharding rules which dim of a view holds the split (size-1 dims are ambiguous locally)."""
+    gm = capture_mod.trace_with(model, concrete)
+    capture_mod.propagate_shapes(gm, list(values))
+    return {n.name: tuple(n.meta[VAL].shape) for n in gm.graph.nodes if isinstance(n.meta.get(VAL), torch.Tensor)}
+
+
+def lower_all_ranks(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int,
+                    **options: Any) -> list[Lowered]:
+    """Every rank's lowered program for ``example_inputs``, without process groups (dumps)."""
+    from mambac.runtime.mesh import offline_spec
+    opts = CompileOptions.create(world_size=world_size, **options)
+    values = bind_inputs(model, tuple(example_inputs), {})
+    out = []
+    for rank in range(world_size):
+        setup = rank_setup(model, opts, offline_spec(opts, rank)) if world_size > 1 else None
+        out.append(lower(model, values, opts, rank, setup))
+    return out

@@ -25,7 +25,10 @@ class CompileOptions:
     world_size // (dp*cp)); sequence_parallel: Megatron sequence parallelism over tp; remat and
     memory_budget: rematerialisation; kernels: 'auto' (Triton on CUDA, reference ops on CPU),
     'triton' or 'reference'; output: 'full' (gathered on every rank) or 'sharded'; verify/dump_dir/
-    disable_passes override the MAMBAC_VERIFY/MAMBAC_DUMP_DIR/MAMBAC_DISABLE_PASSES knobs.
+    disable_passes override the MAMBAC_VERIFY/MAMBAC_DUMP_DIR/MAMBAC_DISABLE_PASSES knobs;
+    plan: per-module overrides of the default Megatron layout, ``{module path: kind}`` (kinds in
+    ``mambac.plan.KINDS``); comm_timeout: seconds a collective may wait before the process group
+    gives up (used when mambac initialises the process group itself).
     """
 
     world_size: int = 1
@@ -40,6 +43,8 @@ class CompileOptions:
     verify: bool | None = None
     dump_dir: str | None = None
     disable_passes: tuple[str, ...] = ()
+    plan: tuple[tuple[str, str], ...] = ()
+    comm_timeout: float | None = None
 
     @classmethod
     def create(cls, **kwargs) -> "CompileOptions":
@@ -51,6 +56,8 @@ class CompileOptions:
                 raise MambacOptionsError(f"unknown compile option '{key}'.{hint} Known options: {', '.join(names)}.")
         if "disable_passes" in kwargs and isinstance(kwargs["disable_passes"], str):
             kwargs["disable_passes"] = tuple(p for p in kwargs["disable_passes"].split(",") if p)
+        if isinstance(kwargs.get("plan"), dict):
+            kwargs["plan"] = tuple(sorted(kwargs["plan"].items()))
         opts = cls(**kwargs)
         opts._validate()
         if opts.tp is None:
@@ -77,17 +84,22 @@ class CompileOptions:
             raise MambacOptionsError("memory_budget is only used with remat='auto'; set remat='auto' or drop it.")
         if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
             raise MambacOptionsError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}.")
+        if self.comm_timeout is not None and (isinstance(self.comm_timeout, bool)
+                                              or not isinstance(self.comm_timeout, (int, float))
+                                              or self.comm_timeout <= 0):
+            raise MambacOptionsError(f"comm_timeout must be a positive number of seconds, got {self.comm_timeout!r}.")
+        if not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in self.plan):
+            raise MambacOptionsError("plan must map module paths to kinds, e.g. plan={'lm_head': 'replicate'}.")
         self._check_supported(tp)
 
     def _check_supported(self, tp: int) -> None:
         """Reject what this version cannot do yet, rather than silently ignoring it."""
-        if self.world_size > 1:
-            raise MambacOptionsError(
-                f"world_size={self.world_size}: multi-rank lowering (tensor, sequence, context and data "
-                "parallelism) is not available in this version of mambac; compile with world_size=1.")
-        if self.remat != "none":
-            raise MambacOptionsError(f"remat='{self.remat}' is not available in this version of mambac; "
-                                     "use remat='none'.")
+        if self.cp > 1:
+            raise MambacOptionsError(f"cp={self.cp}: context parallelism is not available in this version of "
+                                     "mambac; use tp (tensor/sequence parallelism) and dp instead.")
+        if self.remat != "none" and self.world_size > 1:
+            raise MambacOptionsError(f"remat='{self.remat}' is only available at world_size=1 in this version of "
+                                     "mambac; use remat='none' with several ranks.")
 
 
 def _choice(name: str, value, allowed: tuple) -> None:

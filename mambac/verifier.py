@@ -2,7 +2,8 @@
 
 Checks: fx's own lint (topological order, defined names, valid targets); every node that produces
 a value carries ``meta['val']`` (shapes are present); placements, where any node has one, are on
-every value node and all span the same mesh; mambac ops have the argument count of their schema.
+every value node and all span the same mesh, and a Shard names a dim the value has; mambac ops
+have the argument count of their schema.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.fx
 
 from mambac.errors import MambacPassError
-from mambac.ir import PLACEMENT, VAL
+from mambac.ir import PLACEMENT, VAL, Placement, Shard
 from mambac.ops._common import info_for_target
 
 
@@ -35,6 +36,15 @@ def verify(gm: torch.fx.GraphModule, stage: str = "?") -> None:
         if has_placements and isinstance(node.meta[VAL], torch.Tensor):
             if PLACEMENT not in node.meta:
                 raise MambacPassError(f"after '{stage}': node '{node.name}' has no placement while others do.")
+            _check_placement(node, node.meta[PLACEMENT], node.meta[VAL], stage)
             ndims.add(len(node.meta[PLACEMENT].per_mesh_dim))
     if len(ndims) > 1:
         raise MambacPassError(f"after '{stage}': placements span different mesh ranks {sorted(ndims)}.")
+
+
+def _check_placement(node: torch.fx.Node, pl, val: torch.Tensor, stage: str) -> None:
+    if not isinstance(pl, Placement):
+        raise MambacPassError(f"after '{stage}': tensor node '{node.name}' has placement {pl} (expected one Placement).")
+    for p in pl.per_mesh_dim:
+        if isinstance(p, Shard) and not 0 <= p.dim < max(val.dim(), 1):
+            raise MambacPassError(f"after '{stage}': node '{node.name}' is {pl} but has only {val.dim()} dims.")

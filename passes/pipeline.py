@@ -1,14 +1,22 @@
 """The named, ordered pass lists.  A pipeline is data: the runner looks each name up in ``PASSES``."""
 from __future__ import annotations
 
+from mambac.passes.cancel_redundant_comms import cancel_redundant_comms
 from mambac.passes.canonicalize import canonicalize
 from mambac.passes.eliminate_dead_code import eliminate_dead_code
 from mambac.passes.fuse_ssm import fuse_ssm
+from mambac.passes.insert_collectives import insert_collectives
+from mambac.passes.plan_remat import plan_remat
+from mambac.passes.propagate_sharding import propagate_sharding
 
 PASSES = {
     "canonicalize": canonicalize,
     "fuse_ssm": fuse_ssm,
     "eliminate_dead_code": eliminate_dead_code,
+    "propagate_sharding": propagate_sharding,
+    "insert_collectives": insert_collectives,
+    "cancel_redundant_comms": cancel_redundant_comms,
+    "plan_remat": plan_remat,
 }
 
 SINGLE_DEVICE = [
@@ -17,7 +25,17 @@ SINGLE_DEVICE = [
     "eliminate_dead_code",   # after fusions: removes the absorbed elementwise nodes
 ]
 
+DISTRIBUTED = SINGLE_DEVICE + [
+    "propagate_sharding",      # on the fused graph: the rules see fused SSM ops, not their prologues
+    "insert_collectives",      # realises every placement change; re-propagates local shapes
+    "cancel_redundant_comms",  # folds gather+grad-reduce pairs, gather+slice pairs, duplicates
+    "eliminate_dead_code",
+]
+
 
 def pipeline_for(options) -> list[str]:
-    """The pass list for these compile options."""
-    return list(SINGLE_DEVICE)
+    """The pass list for these compile options (the distributed one for more than one rank)."""
+    if options is not None and getattr(options, "world_size", 1) > 1:
+        return list(DISTRIBUTED)
+    remat = ["plan_remat"] if getattr(options, "remat", "none") != "none" else []  # last: plans the final graph
+    return list(SINGLE_DEVICE) + remat

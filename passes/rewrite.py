@@ -6,6 +6,7 @@ gets its fake value recomputed with the graph's fake mode.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterable
 
 import torch
@@ -156,3 +157,41 @@ def apply_until_fixed(graph: torch.fx.Graph, rule: Callable[[torch.fx.Node], boo
         if rule(node):
             n += 1
     return n
+
+
+def collapse_region(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str,
+                    wrap: Callable[[torch.fx.GraphModule], torch.nn.Module], created_by: str = "") -> torch.fx.Node:
+    """Move ``nodes`` (in graph order; a convex run: no path leaves it and comes back) into a
+    sub-GraphModule, register ``wrap(body)`` as submodule ``name`` and call it after the last of
+    them.  Values used outside become the call's outputs, read back through ``getitem`` nodes.
+    Parameter reads (``get_attr``) are copied into the body, never passed in.  Returns the call."""
+    members = set(nodes)
+    body, env, inputs = torch.fx.Graph(), {}, []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in members or a in env:
+                continue
+            env[a] = body.node_copy(a) if a.op == "get_attr" else body.placeholder(a.name)
+            env[a].meta = dict(a.meta)
+            if a.op != "get_attr":
+                inputs.append(a)
+        env[n] = body.node_copy(n, lambda x: env[x])
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    body.output(tuple(env[o] for o in outputs))
+    sub = torch.fx.GraphModule(gm, body, class_name="RematBody")
+    sub.meta[FAKE_MODE_KEY] = gm.meta.get(FAKE_MODE_KEY)
+    gm.add_submodule(name, wrap(sub))
+    src = source_of(nodes[-1])
+    call = insert_after(nodes[-1], "call_module", name, tuple(inputs), created_by=created_by, name=name)
+    anchor = call
+    for k, out in enumerate(outputs):
+        anchor = insert_after(anchor, "call_function", operator.getitem, (call, k), created_by=created_by)
+        out.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in members)
+    for n in (call, *call.users):
+        n.meta[SOURCE] = SourceInfo(src.module_path, src.module_type, created_by or src.created_by)
+    for n in reversed(nodes):
+        n.graph.erase_node(n)
+    for a in env:  # parameter reads only the region used
+        if a.op == "get_attr" and not a.users:
+            a.graph.erase_node(a)
+    return call

@@ -1,9 +1,18 @@
 """The compiled module: the user's model, with its forward replaced by lowered programs.
 
-It shares the model's submodules, parameters and buffers (the same objects), so ``state_dict()``
-keys, ``parameters()``, optimizers, ``.to()`` and ``load_state_dict`` behave exactly as on the
-original model, and gradients land on the original parameters.  One program is lowered per forward
-signature (which optional arguments are given) on first use and cached.
+On one rank it shares the model's submodules, parameters and buffers (the same objects), so
+``state_dict()`` keys, ``parameters()``, optimizers, ``.to()`` and ``load_state_dict`` behave exactly
+as on the original model, and gradients land on the original parameters.  One program is lowered
+per forward signature (which optional arguments are given) on first use and cached.
+
+On several ranks (``world_size > 1``) it is *this rank's* module: its parameters are this rank's
+shards (a local copy of the model, ``mambac.plan.local_model``), its programs this rank's lowered
+programs, its inputs the same full batch on every rank and its outputs full on every rank (or this
+rank's piece with ``output='sharded'``).  ``state_dict()``/``load_state_dict()`` speak unsharded
+tensors (both are collective calls: every rank calls them).  With dp > 1 the gradients of the
+parameters are summed over the data-parallel ranks by ``DistributedDataParallel``.  Without a
+process group the programs can still be lowered and printed for every rank
+(``program_for_rank``); running one raises an error saying how to launch.
 """
 from __future__ import annotations
 
@@ -12,24 +21,57 @@ from typing import Any, Callable
 
 import torch
 
-from mambac.lowering import Lowered, bind_inputs, lower, signature_of
+from mambac.errors import MambacRuntimeError
+from mambac.knobs import knobs
+from mambac.lowering import Lowered, bind_inputs, lower, rank_setup, signature_of
 from mambac.options import CompileOptions
 
 log = logging.getLogger("mambac.runtime")
+
+
+class _Runner(torch.nn.Module):
+    """The local model plus the call into its lowered program (what DDP wraps)."""
+
+    def __init__(self, local: torch.nn.Module, run: Callable) -> None:
+        super().__init__()
+        self.model = local
+        self.__dict__["_run"] = run
+
+    def forward(self, *values: Any) -> Any:
+        return self.__dict__["_run"](values)
+
+
+def _sum_hook(group, bucket):
+    """DDP comm hook: sum (not average) gradients; the lowered loss already averages the batch."""
+    import torch.distributed as dist
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
 
 
 class CompiledModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, options: CompileOptions,
                  check_inputs: Callable[[list[Any]], None] | None = None) -> None:
         super().__init__()
-        # Share the model's module tree instead of wrapping it: same keys, same Parameter objects.
-        self._modules = model._modules
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self.__dict__["_mambac_model"] = model
-        self.__dict__["_mambac_options"] = options
-        self.__dict__["_mambac_programs"] = {}
-        self.__dict__["_mambac_check_inputs"] = check_inputs
+        d = self.__dict__
+        d.update(_mambac_model=model, _mambac_options=options, _mambac_programs={},
+                 _mambac_check_inputs=check_inputs, _mambac_mesh=None, _mambac_setup=None, _mambac_ddp=None)
+        target = model
+        if options.world_size > 1:
+            from mambac.runtime.mesh import make_mesh, offline_spec
+            mesh = make_mesh(options)
+            d["_mambac_mesh"] = mesh
+            d["_mambac_setup"] = rank_setup(model, options, mesh.spec if mesh else offline_spec(options, 0))
+            target = d["_mambac_setup"].model
+        # Share the module tree instead of wrapping it: same keys, same Parameter objects.
+        self._modules = target._modules
+        self._parameters = target._parameters
+        self._buffers = target._buffers
+        if d["_mambac_mesh"] is not None and options.dp > 1:
+            from torch.nn.parallel import DistributedDataParallel
+            runner = _Runner(target, self._run_values)
+            ddp = DistributedDataParallel(runner, process_group=d["_mambac_mesh"].dp_group, broadcast_buffers=False)
+            ddp.register_comm_hook(d["_mambac_mesh"].dp_group, _sum_hook)
+            d["_mambac_ddp"] = ddp
 
     @property
     def original_module(self) -> torch.nn.Module:
@@ -44,22 +86,84 @@ class CompiledModule(torch.nn.Module):
         """The lowered programs, one per forward signature seen so far."""
         return self.__dict__["_mambac_programs"]
 
+    @property
+    def rank_setup(self):
+        """This rank's local model, plan and mesh spec (None on one rank)."""
+        return self.__dict__["_mambac_setup"]
+
+    @property
+    def mesh(self):
+        """This process's ``RankMesh`` (process groups), or None without a process group."""
+        return self.__dict__["_mambac_mesh"]
+
     def program_for(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower (or fetch) the program for this call's signature without running it."""
         values = bind_inputs(self.original_module, args, kwargs)
         key = signature_of(values)
         if key not in self.programs:
             log.info("lowering %s for signature %s", type(self.original_module).__name__, key)
-            self.programs[key] = lower(self.original_module, values, self.options)
+            rank = self.mesh.rank if self.mesh is not None else 0
+            self.programs[key] = lower(self.original_module, values, self.options, rank, self.rank_setup)
         return self.programs[key]
+
+    def program_for_rank(self, rank: int, *args: Any, **kwargs: Any) -> Lowered:
+        """Rank ``rank``'s program for these example inputs, lowered without running anything (any
+        rank's program can be produced on any process, with or without a process group)."""
+        from mambac.runtime.mesh import offline_spec
+        opts = self.options
+        if not 0 <= rank < opts.world_size:
+            raise MambacRuntimeError(f"rank {rank} is outside world_size={opts.world_size}.")
+        if self.mesh is not None and rank == self.mesh.rank:
+            return self.program_for(*args, **kwargs)
+        values = bind_inputs(self.original_module, args, kwargs)
+        setup = rank_setup(self.original_module, opts, offline_spec(opts, rank)) if opts.world_size > 1 else None
+        return lower(self.original_module, values, opts, rank, setup)
+
+    def _run_values(self, values) -> Any:
+        program = self.program_for(*values)
+        return program.gm(*values)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = bind_inputs(self.original_module, args, kwargs)
         check = self.__dict__["_mambac_check_inputs"]
         if check is not None:
             check(values)
+        if self.options.world_size > 1:
+            return self._forward_distributed(values)
         program = self.program_for(*args, **kwargs)
         return program.gm(*values)
+
+    def _forward_distributed(self, values: list[Any]) -> Any:
+        if self.mesh is None:
+            from mambac.runtime.mesh import launch_hint
+            raise MambacRuntimeError(f"this module was compiled for world_size={self.options.world_size} but no "
+                                     "process group is initialised, so it can be lowered and printed "
+                                     "(program_for_rank, `mambac dump --world-size`) but not run; "
+                                     + launch_hint(self.options.world_size) + ".")
+        if knobs().debug:
+            from mambac.runtime.checkpoint import check_same_inputs
+            check_same_inputs(values, self.mesh.rank)
+        self.program_for(*values)  # lower before DDP's forward hooks run
+        ddp = self.__dict__["_mambac_ddp"]
+        return ddp(*values) if ddp is not None else self._run_values(values)
+
+    # ---- unsharded state dicts --------------------------------------------------------------
+
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
+        if self.options.world_size == 1:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        from mambac.runtime.checkpoint import full_state_dict
+        out = full_state_dict(self)
+        if destination is None:
+            return {prefix + k: v for k, v in out.items()}
+        destination.update({prefix + k: v for k, v in out.items()})
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self.options.world_size == 1:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        from mambac.runtime.checkpoint import load_full_state_dict
+        return load_full_state_dict(self, state_dict, strict=strict)
 
     def lowered_graph_text(self, stage: str = "") -> str:
         """Printed graph after ``stage`` (the last pass when empty) of the first lowered program."""

@@ -46,3 +46,34 @@ def test_console_script_and_demo(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "parity vs eager" in r.stdout and "-> OK" in r.stdout
     assert (tmp_path / "g.txt").read_text().startswith("# mambac graph after")
+
+
+def test_dump_every_rank_of_a_tensor_parallel_program(capsys):
+    assert main(["dump", "mamba2-tiny", "--world-size", "2", "--rank", "1", "--seqlen", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# mambac graph after") and "(rank 1 of 2)" in out.splitlines()[0]
+    assert "all_reduce" in out
+    assert main(["dump", "mamba2-tiny", "--world-size", "2", "--rank", "2"]) == 2
+    assert "--rank 2 is not a rank" in capsys.readouterr().err
+
+
+def test_dump_checkpoint_directory(tmp_path, capsys):
+    import json
+
+    import torch
+
+    from mambac.presets import build_preset
+    model = build_preset("mamba1-tiny")
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_dict()))
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    assert main(["dump", str(tmp_path), "--seqlen", "8"]) == 0
+    assert "mambac.selective_scan(" in capsys.readouterr().out
+
+
+def test_run_launches_ranks(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    r = subprocess.run([sys.executable, "-m", "mambac.cli", "run", "-n", "2", "--timeout", "120", str(script)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "rank 0 of 2" in r.stdout and "rank 1 of 2" in r.stdout

@@ -4,11 +4,12 @@
 (x, dt, A, B, C, D, z, dt_bias, initial_state), None where an input is absent.  Launch order:
 
     [chunk_state, state_pass]   only when the forward's intermediates were not kept
-    gate_backward               with z: recomputes y; gives dz, dy and dy.(y - D x)
+    gate_backward               with z: recomputes y; gives dz and the gated dy
     chunk_dstate                per chunk: sum_t exp(cs_t) dy_t C_t^T
     state_pass_bwd              reverse passing: dS per chunk, d initial state, d(total decay)
-    dx                          dx, ddt (direct part), the cumsum gradient, dD parts
-    dc, db                      dC, dB per group (head weights summed before the matmul)
+    dx                          dx, the direct part of ddt, dD parts
+    dc, db                      dC, dB per group (head weights summed before the matmul), and
+                                the pieces of the cumsum gradient
     dt_backward                 reverse cumsum, prologue backward: ddt, dA and dt_bias parts
 """
 from __future__ import annotations
@@ -21,20 +22,20 @@ from torch import Tensor
 
 from mambac.codegen import render_bwd, render_bwd_tiles, render_fwd
 from mambac.codegen.kernel_ir import TileConfig
-from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_prepared, prepare, run_chunk_scan,
+from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_prepared, prepare,
                                         run_chunk_state, run_state_pass, scan_args, strides3)
-from mambac.codegen.ssd_launch import (Family, cdiv, chunk_state_candidates, group_candidates,
-                                       head_block_candidates, pow2, run_family, single_candidate,
+from mambac.codegen.ssd_launch import (Family, cdiv, dstate_candidates, dx_candidates,
+                                       group_candidates, head_block_candidates, pow2, run_family, single_candidate,
                                        state_pass_candidates)
 
 DSTATE = Family("ssd_chunk_dstate", lambda r, c: render_fwd.render_chunk_state(r, "dstate"),
-                chunk_state_candidates)
+                dstate_candidates)
 STATE_PASS_BWD = Family("ssd_state_pass_bwd", lambda r, c: render_bwd.render_state_pass_bwd(r),
                         state_pass_candidates)
 GATE_BWD = Family("ssd_gate_backward",
                   lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "gate_backward"),
                   head_block_candidates)
-DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), head_block_candidates)
+DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), dx_candidates)
 DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c"), group_candidates)
 DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b"), group_candidates)
 DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r), single_candidate)
@@ -45,21 +46,20 @@ def _dense_out(pr: Prepared, dtype: torch.dtype) -> Tensor:
     return torch.empty(d.b, d.l, d.h, d.p, device=pr.x.device, dtype=dtype)
 
 
-def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dz, the gated dy (io dtype) and dy.(y - D x) per position (fp32)."""
+def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Tensor, Tensor]:
+    """dz and the gated dy (io dtype)."""
     d, r = pr.dims, pr.region
-    dz, dy = _dense_out(pr, pr.z.dtype), _dense_out(pr, r.torch_io)
-    stat = torch.empty_like(saved.cs)
+    dz, dy = _dense_out(pr, r.torch_io), _dense_out(pr, r.torch_io)
     head = [pr.x, pr.B, pr.C, pr.z] + ([pr.D] if pr.D is not None else [])
 
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
-                    head + [dy_out, dz, dy, stat, saved.dtp, saved.cs, saved.sin] + scan_args(pr),
+                    head + [dy_out, dz, dy, saved.dtp, saved.cs, saved.sin] + scan_args(pr),
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
                     cfg.num_warps, cfg.num_stages)
 
     run_family(GATE_BWD, r, d, launch)
-    return dz, dy, stat
+    return dz, dy
 
 
 def run_dstate(pr: Prepared, dy: Tensor, cs: Tensor) -> Tensor:
@@ -93,61 +93,67 @@ def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tenso
     return dsout, dinit, dtot
 
 
-def run_dx(pr: Prepared, dy: Tensor, y_or_stat: Tensor, saved: SSDSaved, dsout: Tensor):
-    """(dx, ddt_direct, dcs, v parts, dD parts or None)."""
+def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
+    """(dx, the direct part of ddt, dD parts or None)."""
     d, r = pr.dims, pr.region
     dx = _dense_out(pr, pr.x.dtype)
-    ddtd, dcs = torch.empty_like(saved.cs), torch.empty_like(saved.cs)
+    ddtd = torch.empty_like(saved.cs)
 
     def launch(kern, cfg: TileConfig):
         nm = cdiv(d.q, cfg.block_m)
-        vpart = torch.empty(d.b, d.h, d.nc, nm, device=dy.device, dtype=torch.float32)
         dshape = (d.b, d.nc, nm, d.h) + ((d.p,) if r.d_mode == "head_dim" else ())
         dd = torch.empty(dshape, device=dy.device, dtype=torch.float32) if pr.D is not None else None
-        args = [pr.x, pr.B, pr.C, dy, y_or_stat] + ([pr.D, dd] if pr.D is not None else [])
-        args += [dx, saved.dtp, saved.cs, dsout, ddtd, dcs, vpart, d.l, d.h, d.hpg, d.nc, d.p, d.n]
+        args = [pr.x, pr.B, pr.C, dy] + ([pr.D, dd] if pr.D is not None else [])
+        args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
                     cfg.num_warps, cfg.num_stages)
-        return vpart, dd
+        return dd
 
-    vpart, dd = run_family(DX, r, d, launch)
-    return dx, ddtd, dcs, vpart, dd
+    dd = run_family(DX, r, d, launch)
+    return dx, ddtd, dd
 
 
-def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor) -> Tensor:
-    """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving), fp32."""
+def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor):
+    """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving) in fp32, with
+    the per-head cumsum-gradient pieces: (dBC, es or v, pair sums, pair tile size)."""
     d = pr.dims
-    other = pr.B if which == "c" else pr.C
+    side = torch.empty_like(saved.cs)
 
-    def launch(kern, cfg: TileConfig) -> Tensor:
+    def launch(kern, cfg: TileConfig):
+        nt = cdiv(d.q, cfg.block_k)
         out = torch.empty(d.b, d.l, cfg.splits, d.g, d.n, device=dy.device, dtype=torch.float32)
-        args = [pr.x, other, dy, saved.dtp, saved.cs, state, out, d.l, d.h, d.hpg, d.g, d.nc,
-                d.p, d.n, cfg.splits] + strides3(pr.x) + strides3(other)
+        pair = torch.empty(saved.cs.shape + (nt,), device=dy.device, dtype=torch.float32)
+        args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state, out, side, pair, d.l, d.h,
+                d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, nt]
+        args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.g * cfg.splits), args,
-                    dict(BT=cfg.block_m, PP=d.pp, NP=d.np_), cfg.num_warps, cfg.num_stages)
-        return out
+                    dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_), cfg.num_warps,
+                    cfg.num_stages)
+        return out, pair, (cfg.block_m, cfg.block_k)
 
-    out = run_family(DC if which == "c" else DB, pr.region, d, launch)
-    return out[:, :, 0] if out.shape[2] == 1 else out.sum(2)
+    out, pair, tiles = run_family(DC if which == "c" else DB, pr.region, d, launch)
+    return (out[:, :, 0] if out.shape[2] == 1 else out.sum(2)), side, pair, tiles
 
 
-def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, dcs: Tensor, vpart: Tensor,
+def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, c_side: tuple, b_side: tuple,
                     dtot: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(ddt in dt's dtype and layout, dA parts, dt_bias parts or None)."""
     d, r = pr.dims, pr.region
-    ddt = torch.empty(d.b, d.l, d.h, device=dcs.device, dtype=pr.dt.dtype)
-    da = torch.empty(d.b * d.h, d.nc, device=dcs.device, dtype=torch.float32)
+    (es, mrow, (rtr, bsr)), (v, mcol, (rtc, bsc)) = c_side, b_side
+    ddt = torch.empty(d.b, d.l, d.h, device=ddtd.device, dtype=torch.float32)
+    da = torch.empty(d.b * d.h, d.nc, device=ddtd.device, dtype=torch.float32)
     dbias = torch.empty_like(da) if r.has_dt_bias else None
-    nv, ndt = vpart.shape[-1], dtot.shape[-1]
+    ntr, ntc, ndt = mrow.shape[-1], mcol.shape[-1], dtot.shape[-1]
     opt = ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
 
     def launch(kern, cfg: TileConfig) -> None:
-        args = [pr.dt, pr.A] + opt + [saved.dtp, ddtd, dcs, vpart, dtot, ddt, da]
+        args = [pr.dt, pr.A] + opt + [saved.dtp, ddtd, es, v, mrow, mcol, dtot, ddt, da]
         args += ([dbias] if dbias is not None else []) + [d.l, d.h, d.nc] + strides3(pr.dt)
-        kern.launch((d.nc, d.b * d.h), args + [nv, ndt],
-                    dict(QP=pow2(d.q), VP=pow2(nv), TP=pow2(ndt)), cfg.num_warps, cfg.num_stages)
+        kern.launch((d.nc, d.b * d.h), args + [ntr, rtr, bsr, ntc, rtc, bsc, ndt],
+                    dict(QP=pow2(d.q), RP=pow2(ntr), CP=pow2(ntc), TP=pow2(ndt)),
+                    cfg.num_warps, cfg.num_stages)
 
     run_family(DT_BWD, r, d, launch)
     return ddt, da, dbias
@@ -156,35 +162,34 @@ def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, dcs: Tensor, vp
 def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
                  C: Tensor, D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
                  initial_state: Optional[Tensor], chunk_size: int, dt_softplus: bool,
-                 dt_min: float = 0.0, dt_max: float = math.inf, *, y: Optional[Tensor] = None,
+                 dt_min: float = 0.0, dt_max: float = math.inf, *,
                  saved: Optional[SSDSaved] = None) -> tuple[Optional[Tensor], ...]:
     """Gradients of ``mambac::ssd`` w.r.t. (x, dt, A, B, C, D, z, dt_bias, initial_state).
 
-    ``dy``/``dfinal`` are the gradients of y and final_state (dfinal may be None).  ``y`` (the
-    forward output) and ``saved`` (``ssd_forward(..., return_saved=True)``) are optional: what
-    is missing is recomputed.
+    ``dy``/``dfinal`` are the gradients of y and final_state (dfinal may be None).  ``saved``
+    (from ``ssd_forward(..., return_saved=True)``) skips recomputing the chunk states.
     """
     pr = prepare(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max)
     d, r = pr.dims, pr.region
-    if saved is None or (y is None and not r.has_z):
-        y_new, _, saved = forward_prepared(pr)
-        y = y if y is not None else y_new
+    if saved is None:
+        states, dtp, cs = run_chunk_state(pr)
+        saved = SSDSaved(dtp=dtp, cs=cs, sin=run_state_pass(pr, states, cs)[0])
     dy = dy.contiguous()
     dz = None
     if r.has_z:
-        dz, dyv, y_or_stat = run_gate_backward(pr, saved, dy)
+        dz, dyv = run_gate_backward(pr, saved, dy)
     else:
-        dyv, y_or_stat = dy.to(r.torch_io), y.contiguous()
+        dyv = dy.to(r.torch_io)
     if dfinal is None:
         dfinal = torch.zeros(d.b, d.h, d.p, d.n, device=x.device, dtype=torch.float32)
     dst = run_dstate(pr, dyv, saved.cs)
     dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
-    dx, ddtd, dcs, vpart, dd = run_dx(pr, dyv, y_or_stat, saved, dsout)
-    dC = run_dbc(pr, "c", dyv, saved, saved.sin)
-    dB = run_dbc(pr, "b", dyv, saved, dsout)
-    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, dcs, vpart, dtot)
-    return (dx, ddt, da.view(d.b, d.h, d.nc).sum((0, 2)).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-            None if D is None else dd.sum((0, 1, 2)).to(D.dtype), dz,
+    dx, ddtd, dd = run_dx(pr, dyv, saved, dsout)
+    dC, *c_side = run_dbc(pr, "c", dyv, saved, saved.sin)
+    dB, *b_side = run_dbc(pr, "b", dyv, saved, dsout)
+    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, tuple(c_side), tuple(b_side), dtot)
+    return (dx, ddt.to(dt.dtype), da.view(d.b, d.h, d.nc).sum((0, 2)).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+            None if D is None else dd.sum((0, 1, 2)).to(D.dtype), None if z is None else dz.to(z.dtype),
             None if dt_bias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2)).to(dt_bias.dtype),
             None if initial_state is None else dinit.to(initial_state.dtype))
 
@@ -197,17 +202,17 @@ class _SSDFunction(torch.autograd.Function):
                 dt_min, dt_max):
         y, final, saved = ssd_forward_saved(x, dt, A, B, C, D, z, dt_bias, initial_state,
                                             chunk_size, dt_softplus, dt_min, dt_max)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, y,
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state,
                               saved.dtp, saved.cs, saved.sin)
         ctx.opts = (chunk_size, dt_softplus, dt_min, dt_max)
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, z, dt_bias, init, y, dtp, cs, sin = ctx.saved_tensors
+        x, dt, A, B, C, D, z, dt_bias, init, dtp, cs, sin = ctx.saved_tensors
         if dy is None:
-            dy = torch.zeros_like(y)
-        grads = ssd_backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, init, *ctx.opts, y=y,
+            dy = torch.zeros_like(x)
+        grads = ssd_backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, init, *ctx.opts,
                              saved=SSDSaved(dtp=dtp, cs=cs, sin=sin))
         return grads + (None, None, None, None)
 

@@ -1,0 +1,161 @@
+"""Rematerialisation benchmark: saved-for-backward memory, peak memory and training throughput of
+the Mamba-2 130M LM at batch 8 x 2048 under bf16 autocast, with remat none, full and auto
+(memory_budget 8 GiB).
+
+    python benchmarks/bench_remat.py                 # CUDA: mamba2-130m, 8 x 2048, bf16 autocast
+    python benchmarks/bench_remat.py --budget-gib 4  # another budget for 'auto'
+    python benchmarks/bench_remat.py --tiny          # CPU: a tiny model and batch (checks the script)
+
+One row per mode: the budget, the saved-for-backward bytes mambac.memory predicts, the same bytes
+measured with saved-tensor hooks on a real step, the peak device memory of a training step
+(CUDA only: torch.cuda.max_memory_allocated, weights and gradients included) and tokens per
+second of forward + backward (mean over the timed steps).  With --tiny the budget defaults to 60%
+of what 'none' keeps, so that 'auto' has something to do at that size.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+import mambac
+from mambac.memory import MEMORY_PLAN, human, measure_saved, plan_of
+from mambac.presets import build_preset
+
+GIB = 2 ** 30
+
+
+@dataclass
+class Row:
+    mode: str
+    budget: int | None = None
+    predicted: int | None = None
+    measured: int | None = None
+    peak: int | None = None
+    tokens_per_s: float | None = None
+    error: str = ""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="CPU, tiny model and batch (a quick check)")
+    p.add_argument("--preset", default=None, help="model preset (default mamba2-130m, or mamba2-tiny with --tiny)")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seqlen", type=int, default=None)
+    p.add_argument("--budget-gib", type=float, default=None, help="memory_budget for remat='auto' (default 8)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per mode")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per mode")
+    p.add_argument("--modes", default="none,full,auto")
+    args = p.parse_args(argv)
+    tiny = dict(preset="mamba2-tiny", batch=2, seqlen=32, steps=1, warmup=0)
+    full = dict(preset="mamba2-130m", batch=8, seqlen=2048, steps=5, warmup=2)
+    for key, value in (tiny if args.tiny else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    if args.tiny:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_remat needs a CUDA device for the full-size run; use --tiny on a CPU.")
+    return torch.device("cuda")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _step(compiled, ids, labels, device) -> None:
+    with _autocast(device):
+        loss = compiled(ids, labels)
+    loss.backward()
+
+
+def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) -> Row:
+    """Compile for one remat mode, predict, measure one step's saved bytes, then time steps."""
+    row = Row(mode=mode, budget=budget if mode == "auto" else None)
+    opts = dict(remat=mode, memory_budget=budget) if mode == "auto" else dict(remat=mode)
+    with _autocast(device):  # lowered under the autocast it runs with (its own region: see docs/memory.md)
+        compiled = mambac.compile(model, example_inputs=(ids, labels), **opts)
+        gm = compiled.program_for(ids, labels).gm
+        row.predicted = (gm.meta.get(MEMORY_PLAN) or plan_of(gm)).predicted
+    params = list(model.parameters())
+    model.zero_grad(set_to_none=True)
+    with _autocast(device):
+        saved = measure_saved(compiled, ids, labels, exclude=params + [ids, labels])
+    row.measured = saved.nbytes
+    saved.output.backward()
+    del saved
+    for _ in range(args.warmup):
+        model.zero_grad(set_to_none=True)
+        _step(compiled, ids, labels, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        model.zero_grad(set_to_none=True)
+        _step(compiled, ids, labels, device)
+    _sync(device)
+    row.tokens_per_s = ids.numel() * args.steps / (time.perf_counter() - t0)
+    row.peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    return row
+
+
+def _fmt(row: Row) -> list[str]:
+    size = lambda v: "-" if v is None else human(v)  # noqa: E731
+    if row.error:
+        return [row.mode, size(row.budget), "error: " + row.error, "", "", ""]
+    return [row.mode, size(row.budget), size(row.predicted), size(row.measured), size(row.peak),
+            f"{row.tokens_per_s:,.0f}"]
+
+
+def print_table(rows: list[Row], title: str) -> None:
+    head = ["remat", "budget", "predicted saved", "measured saved", "peak memory", "tokens/s"]
+    body = [_fmt(r) for r in rows]
+    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+    print(title)
+    for line in [head, ["-" * w for w in widths]] + body:
+        print(" | ".join(x.ljust(w) for x, w in zip(line, widths)))
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    args = parse_args(argv)
+    device = _device(args)
+    model = build_preset(args.preset, device=device)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (args.batch, args.seqlen), generator=gen).to(device)
+    labels = torch.randint(0, vocab, (args.batch, args.seqlen), generator=gen).to(device)
+    budget = None if args.budget_gib is None else int(args.budget_gib * GIB)
+    if budget is None and not args.tiny:
+        budget = 8 * GIB
+    rows = []
+    for mode in args.modes.split(","):
+        if mode == "auto" and budget is None:  # --tiny: 60% of what 'none' keeps
+            none = next((r for r in rows if r.mode == "none" and r.predicted), None)
+            budget = int(0.6 * none.predicted) if none else None
+        try:
+            rows.append(run_mode(model, ids, labels, mode, budget, args, device))
+        except (mambac.MambacError, torch.OutOfMemoryError) as exc:
+            rows.append(Row(mode=mode, budget=budget, error=str(exc).splitlines()[0][:160]))
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+    print_table(rows, f"{args.preset}, batch {args.batch} x {args.seqlen}, bf16 autocast, {device.type}, "
+                      f"{args.steps} timed steps (forward + backward)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""SSD (Mamba-2 chunked scan) on the GPU: mambac's generated kernels next to mamba_ssm, one run.
+
+Usage, from the repository root on a CUDA machine:
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_ssd.py [COMMAND ...]
+
+Commands (default: check time parts):
+  check       forward and every input gradient vs the float64 reference (``mambac.ops.ssd``) on
+              the GPU at S1 and S2 (bf16)
+  check-odd   the same at awkward shapes: odd lengths, headdim/dstate not powers of two, z, D per
+              (head, headdim), initial state, dt clamp
+  check-fp32  an fp32 case (ieee matmuls)
+  time        fwd and fwd+bwd medians (``triton.testing.do_bench``) at the ANCHORS shapes S1 and
+              S2, for mambac and for mamba_ssm's ``mamba_chunk_scan_combined`` (source in
+              ``.bench_deps/mamba_ssm``; see the shared ANCHORS page)
+  parts       time of each generated kernel alone at S1
+  warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
+              S2, so that K processes can fill Triton's compile cache in parallel first
+Checks run with the first tile candidate (no autotune).  Writes ``bench_ssd.json`` to $OUT.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RES: dict = {}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+S1 = dict(b=4, l=4096, h=48, p=64, n=128, g=1, q=256)
+S2 = dict(b=1, l=16384, h=64, p=64, n=128, g=8, q=256)
+ANCHOR_US = {("S1", "fwd"): 627, ("S1", "fwd+bwd"): 5355, ("S2", "fwd"): 873, ("S2", "fwd+bwd"): 6392}
+
+
+def rec(key: str, value) -> None:
+    RES[key] = value
+    print(f"{key:64s} {value}", flush=True)
+
+
+def import_codegen():
+    """mambac.codegen, from the checkout when the package is not installed with its mapping."""
+    try:
+        return importlib.import_module("mambac.codegen")
+    except ModuleNotFoundError:
+        import mambac
+        spec = importlib.util.spec_from_file_location(
+            "mambac.codegen", ROOT / "codegen" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "codegen")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["mambac.codegen"] = mod
+        spec.loader.exec_module(mod)
+        mambac.codegen = mod
+        return mod
+
+
+def import_mamba_ssm():
+    """mamba_ssm's combined SSD op from .bench_deps, skipping its package __init__ (which
+    imports CUDA extensions that are not built here)."""
+    deps = ROOT / ".bench_deps"
+    if not (deps / "mamba_ssm").is_dir():
+        return None
+    sys.path.insert(0, str(deps))
+    pkg = types.ModuleType("mamba_ssm")
+    pkg.__path__ = [str(deps / "mamba_ssm")]
+    sys.modules.setdefault("mamba_ssm", pkg)
+    try:
+        return importlib.import_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
+    except Exception:
+        traceback.print_exc()
+        return None
+
+
+def bench_ms(fn) -> float:
+    import triton.testing as tt
+    return tt.do_bench(fn, warmup=30, rep=200, return_mode="median")
+
+
+def inputs(b, l, h, p, n, g, dtype=torch.bfloat16, seed=0, z=False, d_dim=False, init=False):
+    """The anchors' input recipe (bf16 x/dt/B/C; fp32 A, D, dt_bias), plus optional extras."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(b, l, h, p, device=DEV, dtype=dtype, generator=gen)
+    dt = torch.randn(b, l, h, device=DEV, dtype=dtype, generator=gen) * 0.5 - 2.0
+    A = -torch.rand(h, device=DEV, dtype=torch.float32, generator=gen) * 8 - 1
+    B = torch.randn(b, l, g, n, device=DEV, dtype=dtype, generator=gen)
+    C = torch.randn(b, l, g, n, device=DEV, dtype=dtype, generator=gen)
+    D = torch.randn(*((h, p) if d_dim else (h,)), device=DEV, dtype=torch.float32, generator=gen)
+    dtb = torch.randn(h, device=DEV, dtype=torch.float32, generator=gen) * 0.1
+    zt = torch.randn(b, l, h, p, device=DEV, dtype=dtype, generator=gen) if z else None
+    it = torch.randn(b, h, p, n, device=DEV, dtype=torch.float32, generator=gen) if init else None
+    return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=zt, dt_bias=dtb, initial_state=it)
+
+
+NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_state")
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def check_case(cg, tag, shape, dtype=torch.bfloat16, limit=(0.0, math.inf), **extra):
+    """Forward and gradients of ssd_triton vs the float64 reference on upcast inputs."""
+    ssd_ref = importlib.import_module("mambac.ops.ssd").reference
+    s = dict(shape)
+    q = s.pop("q")
+    ins = inputs(**s, dtype=dtype, **extra)
+    args = [ins[k] for k in NAMES]
+    leaves = [None if a is None else a.detach().clone().requires_grad_(True) for a in args]
+    y, fin = cg.ssd_triton(*leaves[:5], chunk_size=q, D=leaves[5], z=leaves[6], dt_bias=leaves[7],
+                           initial_state=leaves[8], dt_softplus=True, dt_min=limit[0], dt_max=limit[1])
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    gy = torch.randn(y.shape, device=DEV, generator=gen).to(dtype)
+    gf = torch.randn(fin.shape, device=DEV, generator=gen)
+    ((y.float() * gy.float()).sum() + (fin * gf).sum()).backward()
+    ref_in = [None if a is None else a.detach().double().requires_grad_(True) for a in args]
+    y64, f64 = ssd_ref(*ref_in, q, True, limit[0], limit[1])
+    ((y64 * gy.double()).sum() + (f64 * gf.double()).sum()).backward()
+    errs = {"y": rel(y, y64), "final": rel(fin, f64)}
+    for name, a, r in zip(NAMES, leaves, ref_in):
+        if a is not None:
+            errs["d" + name] = rel(a.grad, r.grad)
+    worst = max(errs.values())
+    tol = 1e-2 if dtype != torch.float32 else 1e-3
+    rec(f"check {tag} worst rel err (tol {tol})", f"{worst:.2e} {'ok' if worst <= tol else 'FAIL'}")
+    rec(f"check {tag} all", {k: float(f"{v:.2e}") for k, v in errs.items()})
+    del y64, f64, ref_in
+    torch.cuda.empty_cache()
+
+
+ODD = dict(z=True, d_dim=True, init=True)
+CHECKS = {
+    "check": [("S1", S1, {}, torch.bfloat16), ("S2", S2, {}, torch.bfloat16)],
+    "check-odd": [("odd L4059 z,Dhd,init,clamp", dict(S1, b=1, l=4059), ODD, torch.bfloat16),
+                  ("odd L777 p48 n96 g3 chunk128 clamp", dict(b=2, l=777, h=6, p=48, n=96, g=3, q=128),
+                   ODD, torch.bfloat16)],
+    "check-fp32": [("fp32 L1000 z,Dhd,init,clamp", dict(b=1, l=1000, h=4, p=64, n=64, g=2, q=256), ODD,
+                    torch.float32)],
+}
+
+
+def run_checks(cg, which: str) -> None:
+    at = importlib.import_module("mambac.codegen.autotune")
+    choose = at.choose
+    at.choose = lambda family, bucket, cands, bench: cands[0]  # correctness needs no tuning
+    try:
+        for tag, shape, extra, dtype in CHECKS[which]:
+            limit = (0.001, 0.5) if "clamp" in tag else (0.0, math.inf)
+            try:
+                check_case(cg, tag, shape, dtype=dtype, limit=limit, **extra)
+            except Exception:
+                traceback.print_exc()
+    finally:
+        at.choose = choose
+
+
+def warm(cg, slices: int, index: int) -> None:
+    """Launch every k-th autotune candidate once (no timing) at S1 and S2: fills the compile
+    cache.  Uses a private mambac cache so that no choice made here is kept."""
+    import tempfile
+    from mambac import knobs
+    at = importlib.import_module("mambac.codegen.autotune")
+    seen: dict = {}
+
+    def fake_time(fn):
+        seen.setdefault("n", 0)
+        seen["n"] += 1
+        if seen["n"] % slices != index:
+            return 1.0
+        fn()
+        torch.cuda.synchronize()
+        return 1.0
+
+    at.time_ms = fake_time
+    with knobs.override(cache_dir=tempfile.mkdtemp()):
+        for shape in (S1, S2):
+            time_case(cg, None, "warm", shape, fwd_only_timing=False, timed=False)
+            at._CHOSEN.clear()
+
+
+def time_case(cg, mamba, tag: str, shape: dict, fwd_only_timing: bool = False,
+              timed: bool = True) -> None:
+    s = dict(shape)
+    q = s.pop("q")
+    ins = inputs(**s)
+    x, dt, A, B, C, D, dtb = (ins[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    leaves = [t.requires_grad_(True) for t in (x, dt, A, B, C, D, dtb)]
+    ours = lambda: cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)[0]
+    impls = [("mambac", ours)]
+    if mamba is not None:
+        impls.append(("mamba_ssm", lambda: mamba(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)))
+    for name, f in impls:
+        try:
+            dy = torch.randn_like(f())
+            f().backward(dy)  # first call: compile and autotune outside the timed region
+            if not timed:
+                continue
+            with torch.no_grad():
+                rec(f"{tag} {name} fwd us", round(bench_ms(f) * 1e3, 1))
+            if fwd_only_timing:
+                continue
+
+            def fb():
+                f().backward(dy)
+            rec(f"{tag} {name} fwd+bwd us", round(bench_ms(fb) * 1e3, 1))
+        except Exception:
+            traceback.print_exc()
+    del leaves
+    torch.cuda.empty_cache()
+
+
+def time_parts(cg, shape: dict) -> None:
+    """Each generated kernel alone at one shape (launch order of fwd, then bwd)."""
+    fk = importlib.import_module("mambac.codegen.ssd_kernels")
+    bk = importlib.import_module("mambac.codegen.ssd_kernels_bwd")
+    s = dict(shape)
+    q = s.pop("q")
+    ins = inputs(**s)
+    pr = fk.prepare(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], ins["D"], None, ins["dt_bias"],
+                    None, q, True, 0.0, math.inf)
+    states, dtp, cs = fk.run_chunk_state(pr)
+    sin, _ = fk.run_state_pass(pr, states, cs)
+    saved = fk.SSDSaved(dtp=dtp, cs=cs, sin=sin)
+    dy = torch.randn_like(ins["x"])
+    dst = bk.run_dstate(pr, dy, cs)
+    dfin = torch.zeros(s["b"], s["h"], s["p"], s["n"], device=DEV)
+    dsout, _, dtot = bk.run_state_pass_bwd(pr, dst, saved, dfin)
+    _, ddtd, _ = bk.run_dx(pr, dy, saved, dsout)
+    _, *c_side = bk.run_dbc(pr, "c", dy, saved, sin)
+    _, *b_side = bk.run_dbc(pr, "b", dy, saved, dsout)
+    parts = [("fwd chunk_state", lambda: fk.run_chunk_state(pr)),
+             ("fwd state_pass", lambda: fk.run_state_pass(pr, states, cs)),
+             ("fwd chunk_scan", lambda: fk.run_chunk_scan(pr, dtp, cs, sin)),
+             ("bwd chunk_dstate", lambda: bk.run_dstate(pr, dy, cs)),
+             ("bwd state_pass", lambda: bk.run_state_pass_bwd(pr, dst, saved, dfin)),
+             ("bwd dx", lambda: bk.run_dx(pr, dy, saved, dsout)),
+             ("bwd dc", lambda: bk.run_dbc(pr, "c", dy, saved, sin)),
+             ("bwd db", lambda: bk.run_dbc(pr, "b", dy, saved, dsout)),
+             ("bwd dt", lambda: bk.run_dt_backward(pr, saved, ddtd, tuple(c_side), tuple(b_side), dtot))]
+    for name, fn in parts:
+        try:
+            rec(f"S1 part {name} us", round(bench_ms(fn) * 1e3, 1))
+        except Exception:
+            traceback.print_exc()
+
+
+def summary() -> None:
+    print("\n| shape | impl | fwd us | fwd+bwd us |\n|---|---|---|---|")
+    for tag in ("S1", "S2"):
+        for name in ("mambac", "mamba_ssm"):
+            f, fb = RES.get(f"{tag} {name} fwd us"), RES.get(f"{tag} {name} fwd+bwd us")
+            if f is not None:
+                print(f"| {tag} | {name} | {f} | {fb} |")
+        m, o = RES.get(f"{tag} mamba_ssm fwd us"), RES.get(f"{tag} mambac fwd us")
+        if m and o:
+            print(f"| {tag} | anchor ratio (this run / ANCHORS) | {m / ANCHOR_US[(tag, 'fwd')]:.2f} | "
+                  f"{RES.get(f'{tag} mamba_ssm fwd+bwd us', 0) / ANCHOR_US[(tag, 'fwd+bwd')]:.2f} |")
+            print(f"| {tag} | mamba_ssm / mambac | {m / o:.2f}x | "
+                  f"{RES.get(f'{tag} mamba_ssm fwd+bwd us', 0) / max(RES.get(f'{tag} mambac fwd+bwd us', 1), 1e-9):.2f}x |")
+
+
+def main(argv: list[str]) -> None:
+    what = argv or ["check", "time", "parts"]
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("mambac.codegen").setLevel(logging.INFO)
+    import triton
+    rec("torch", torch.__version__)
+    rec("triton", triton.__version__)
+    rec("gpu", torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)")
+    cg = import_codegen()
+    if what[0] == "warm":
+        warm(cg, int(what[1]), int(what[2]))
+        return
+    mamba = import_mamba_ssm()
+    rec("mamba_ssm available", mamba is not None)
+    for which in CHECKS:
+        if which in what:
+            run_checks(cg, which)
+    if "time" in what:
+        time_case(cg, mamba, "S1", S1)
+        time_case(cg, mamba, "S2", S2)
+    if "parts" in what:
+        time_parts(cg, S1)
+    at = importlib.import_module("mambac.codegen.autotune")
+    rec("autotune choices", {f"{k[0].split('-')[0]} {k[1]}": v.to_json() for k, v in at._CHOSEN.items()})
+    summary()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"bench_ssd_{'_'.join(what)}.json"), "w") as f:
+            json.dump(RES, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

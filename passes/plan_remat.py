@@ -1,0 +1,328 @@
+"""``plan_remat``: decide what autograd keeps for backward and what it recomputes, and put each
+recomputed region into the graph as one call to a checkpointed sub-graph.
+
+Needs: a lowered single-device graph with shapes (the last pass; ``ctx.options.remat`` is 'full'
+or 'auto', ``memory_budget`` in bytes for 'auto').  Analyses it with ``mambac.memory`` at the
+example shape (the inputs the program is lowered for).
+Guarantees: the same function and, in fp32, bit-identical gradients (recomputation replays the
+same deterministic ops; autograd's graph keeps its shape); each recomputed region is a
+``remat_*`` call_module node running a sub-GraphModule under non-reentrant
+``torch.utils.checkpoint``, so only the region's inputs are kept; with 'auto' the predicted
+saved-for-backward bytes are at most the budget, or a ``MambacOptionsError`` names the least
+budget that can be met.  The chosen plan is left in ``gm.meta[MEMORY_PLAN]`` for
+``mambac.memory.explain_memory``; counts go to ``ctx.stats['plan_remat']``.
+
+Segments: the residual blocks (the children of the model's layer list, e.g. ``backbone.layers.3``),
+the stem before them and the head after them (final norm, LM head, loss).  'full' recomputes each
+block whole.  'auto' offers, per segment: nothing; "cheap" regions (maximal runs of nodes between
+matrix products: elementwise math, conv, norms, scans) added in order of cost per byte freed; the
+whole segment.  Choosing one option per segment at the least recompute time under the budget is a
+multiple-choice knapsack, solved exactly over Pareto fronts (see docs/passes/plan_remat.md).
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import checkpoint
+
+from mambac.errors import MambacOptionsError
+from mambac.ir import SOURCE, SourceInfo
+from mambac.memory import MEMORY_PLAN, MemoryModel, analyse, human, is_matmul
+from mambac.passes.context import PassContext
+from mambac.passes.rewrite import collapse_region
+from mambac.verifier import verify as check_graph
+
+NAME = "plan_remat"
+REMAT = "mambac_remat"    # node.meta: RematTag on every node a region recomputes (kept in its body)
+
+
+class RematRegion(torch.nn.Module):
+    """A recomputed region: runs ``body`` under non-reentrant checkpointing, so autograd keeps
+    only the region's inputs and replays ``body`` in backward to get what its ops saved."""
+
+    def __init__(self, body: torch.fx.GraphModule, spec: RegionSpec) -> None:
+        super().__init__()
+        self.body = body
+        self.spec = spec
+
+    def forward(self, *args):
+        return checkpoint(self.body, *args, use_reentrant=False)
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """A run of nodes recomputed in backward (names); only its ``inputs`` are kept for it."""
+
+    name: str
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    kind: str = "full"       # "full" (a whole block or segment) or "cheap" (no matmul inside)
+    segment: str = ""
+
+
+@dataclass(frozen=True)
+class RematTag:
+    """node.meta[REMAT]: the region that recomputes this node."""
+
+    region: str
+
+
+@dataclass(frozen=True)
+class RematPlan:
+    """What plan_remat decided: the regions, the budget and the predicted bytes at the example."""
+
+    mode: str
+    budget: int | None
+    regions: tuple[RegionSpec, ...]
+    model: MemoryModel
+    baseline: int            # saved-for-backward bytes without remat
+    predicted: int           # ... with these regions recomputed
+    minimum: int | None      # the least any plan of this pass reaches
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of consecutive graph nodes planned as a unit: a block, the stem or the head."""
+
+    name: str
+    kind: str                      # "block", "stem" or "head"
+    nodes: tuple[torch.fx.Node, ...]
+
+    @property
+    def tag(self) -> str:
+        return re.sub(r"\W", "_", self.name)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to plan a segment: the regions it recomputes, the bytes it keeps and the cost."""
+
+    regions: tuple[RegionSpec, ...]
+    kept: int
+    cost: float
+
+
+# ---------------------------------------------------------------------------------------------
+# segments and candidate regions
+# ---------------------------------------------------------------------------------------------
+
+def _body(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def _path(n: torch.fx.Node) -> str:
+    return getattr(n.meta.get(SOURCE), "module_path", "")
+
+
+def block_prefix(paths: list[str]) -> str | None:
+    """The module list holding the blocks: the ``X`` of ``X.<i>`` paths with the most indices."""
+    indices: dict[str, set[str]] = {}
+    for p in paths:
+        parts = p.split(".")
+        for i, part in enumerate(parts[1:], 1):
+            if part.isdigit():
+                indices.setdefault(".".join(parts[:i]), set()).add(part)
+    if not indices:
+        return None
+    return max(indices, key=lambda k: (len(indices[k]), -len(k)))
+
+
+def find_segments(gm: torch.fx.GraphModule) -> list[Segment]:
+    """The stem, the blocks (in order) and the head; a graph without a layer list is one block."""
+    nodes = _body(gm)
+    prefix = block_prefix([_path(n) for n in nodes])
+    spans: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        path = _path(n)
+        index = path[len(prefix) + 1:].split(".")[0] if prefix and path.startswith(prefix + ".") else ""
+        if index.isdigit():
+            spans.setdefault(f"{prefix}.{index}", []).append(i)
+    if not spans:
+        return [Segment("body", "block", tuple(nodes))]
+    bounds = sorted((min(v), max(v), k) for k, v in spans.items())
+    if any(a[1] >= b[0] for a, b in zip(bounds, bounds[1:])):  # interleaved blocks: plan as one
+        return [Segment("body", "block", tuple(nodes))]
+    segs = [Segment("stem", "stem", tuple(nodes[:bounds[0][0]]))]
+    segs += [Segment(name, "block", tuple(nodes[lo:hi + 1])) for lo, hi, name in bounds]
+    segs.append(Segment("head", "head", tuple(nodes[bounds[-1][1] + 1:])))
+    return [s for s in segs if s.nodes]
+
+
+def _members(nodes) -> list[torch.fx.Node]:
+    """The nodes a region recomputes: not parameter reads (copied in), not reads of an outside
+    op's outputs (those stay outside and come in as tensors)."""
+    inside = set(nodes)
+    out = []
+    for n in nodes:
+        if n.op in ("get_attr", "placeholder", "output"):
+            continue
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] not in inside:
+            continue
+        out.append(n)
+    return out
+
+
+def region_from(name: str, nodes, kind: str, segment: str) -> RegionSpec | None:
+    """The region recomputing ``nodes`` (a run of consecutive graph nodes), None if it computes nothing."""
+    members = _members(nodes)
+    if not any(n.op in ("call_function", "call_method", "call_module") for n in members):
+        return None
+    inside = set(members)
+    inputs = dict.fromkeys(a.name for n in members for a in n.all_input_nodes
+                           if a not in inside and a.op != "get_attr")
+    return RegionSpec(name=name, nodes=tuple(n.name for n in members), inputs=tuple(inputs), kind=kind,
+                      segment=segment)
+
+
+def cheap_runs(gm: torch.fx.GraphModule, seg: Segment) -> list[list[torch.fx.Node]]:
+    """Maximal runs of the segment's nodes between matrix products (consecutive, hence convex)."""
+    runs, cur = [], []
+    for n in seg.nodes:
+        if is_matmul(gm, n):
+            runs.append(cur)
+            cur = []
+        else:
+            cur.append(n)
+    runs.append(cur)
+    return [r for r in runs if r]
+
+
+# ---------------------------------------------------------------------------------------------
+# options and the knapsack
+# ---------------------------------------------------------------------------------------------
+
+def _pareto(options: list[Option]) -> list[Option]:
+    """Options no other one beats on both bytes kept and cost (sorted by bytes kept)."""
+    out: list[Option] = []
+    for o in sorted(options, key=lambda o: (o.kept, o.cost)):
+        if not out or o.cost < out[-1].cost:
+            out.append(o)
+    return out
+
+
+def segment_options(gm: torch.fx.GraphModule, model: MemoryModel, seg: Segment) -> list[Option]:
+    """Nothing, growing sets of cheap regions, the whole segment: each with its exact bytes kept
+    (storages the segment's nodes allocated) and recompute cost."""
+    mine = {n.name for n in seg.nodes}
+
+    def option(regions) -> Option:
+        kept = sum(s.nbytes for s in model.kept(regions) if s.producer in mine)
+        return Option(tuple(regions), kept, model.cost(n for r in regions for n in r.nodes))
+
+    none = option(())
+    cheap = [region_from(f"remat_{seg.tag}_run{i}", run, "cheap", seg.name)
+             for i, run in enumerate(cheap_runs(gm, seg))]
+    gains = {r.name: (none.kept - option([r]).kept, model.cost(r.nodes)) for r in cheap if r is not None}
+    ladder = sorted((r for r in cheap if r is not None and gains[r.name][0] > 0),
+                    key=lambda r: gains[r.name][1] / gains[r.name][0])
+    options = [none] + [option(ladder[:k]) for k in range(1, len(ladder) + 1)]
+    whole = region_from(f"remat_{seg.tag}", seg.nodes, "full", seg.name)
+    if whole is not None:
+        options.append(option([whole]))
+    return _pareto(options)
+
+
+def knapsack(per_segment: list[list[Option]]) -> list[tuple[int, float, tuple[Option, ...]]]:
+    """The Pareto front of whole plans (one option per segment): (bytes kept, cost, choice)."""
+    front: list[tuple[int, float, tuple[Option, ...]]] = [(0, 0.0, ())]
+    for options in per_segment:
+        merged = sorted(((k + o.kept, c + o.cost, ch + (o,)) for k, c, ch in front for o in options),
+                        key=lambda t: (t[0], t[1]))
+        front = []
+        for item in merged:
+            if not front or item[1] < front[-1][1]:
+                front.append(item)
+    return front
+
+
+def _regions(choice) -> tuple[RegionSpec, ...]:
+    return tuple(r for o in choice for r in o.regions)
+
+
+def _too_small(budget: int, minimum: int, model: MemoryModel) -> MambacOptionsError:
+    b, l = model.example
+    return MambacOptionsError(
+        f"memory_budget={budget} bytes ({human(budget)}) cannot be met for this program at B={b}, L={l}: "
+        f"even with every block and the head recomputed, autograd keeps {minimum} bytes ({human(minimum)}) "
+        f"for backward. Set memory_budget to at least {minimum}, or lower the batch size or sequence length.")
+
+
+def choose_auto(gm: torch.fx.GraphModule, model: MemoryModel, budget: int | None) -> tuple[tuple[RegionSpec, ...], int]:
+    """The cheapest plan under ``budget`` (without one: every cheap region, no matmul recomputed),
+    and the least any plan keeps."""
+    per_segment = [segment_options(gm, model, s) for s in find_segments(gm)]
+    minimum = model.predict(_regions(min(opts, key=lambda o: o.kept) for opts in per_segment))
+    if budget is None:
+        cheap = [min((o for o in opts if all(r.kind == "cheap" for r in o.regions)), key=lambda o: o.kept)
+                 for opts in per_segment]
+        return _regions(cheap), minimum
+    if minimum > budget:
+        raise _too_small(budget, minimum, model)
+    for _, _, choice in sorted(knapsack(per_segment), key=lambda t: (t[1], t[0])):
+        regions = _regions(choice)
+        if model.predict(regions) <= budget:  # exact check: savings need not add up across segments
+            return regions, minimum
+    return _regions(min(opts, key=lambda o: o.kept) for opts in per_segment), minimum
+
+
+def choose_full(gm: torch.fx.GraphModule) -> tuple[RegionSpec, ...]:
+    """Every residual block recomputed whole."""
+    regions = [region_from(f"remat_{s.tag}", s.nodes, "full", s.name) for s in find_segments(gm) if s.kind == "block"]
+    return tuple(r for r in regions if r is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pass
+# ---------------------------------------------------------------------------------------------
+
+def make_plan(gm: torch.fx.GraphModule, mode: str, budget: int | None) -> RematPlan:
+    """Analyse ``gm`` and choose its regions (does not change the graph)."""
+    model = analyse(gm)
+    if mode == "none":
+        regions, minimum = (), None
+    elif mode == "full":
+        regions, minimum = choose_full(gm), None
+    else:
+        regions, minimum = choose_auto(gm, model, budget)
+    return RematPlan(mode=mode, budget=budget, regions=regions, model=model, baseline=model.predict(),
+                     predicted=model.predict(regions), minimum=minimum)
+
+
+def apply_plan(gm: torch.fx.GraphModule, plan: RematPlan, verify: bool = False) -> None:
+    """Replace each region's nodes by one ``remat_*`` call of its checkpointed sub-graph (and run
+    the verifier on each sub-graph when ``verify``: the runner only sees the outer graph)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for spec in plan.regions:
+        nodes = [by_name[n] for n in spec.nodes]
+        for n in nodes:
+            n.meta[REMAT] = RematTag(spec.name)
+        call = collapse_region(gm, nodes, spec.name, lambda body, s=spec: RematRegion(body, s), created_by=NAME)
+        if spec.segment not in ("stem", "head", "body"):
+            for n in (call, *call.users):
+                n.meta[SOURCE] = SourceInfo(spec.segment, "RematRegion", NAME)
+        if verify:
+            check_graph(gm.get_submodule(spec.name).body, f"{NAME}:{spec.name}")
+
+
+def plan_remat(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    """Plan and insert recompute regions for ``ctx.options.remat`` ('none' leaves ``gm`` as it is)."""
+    opts = ctx.options
+    mode = getattr(opts, "remat", "none")
+    if mode == "none":
+        return gm
+    if ctx.world_size > 1:
+        raise MambacOptionsError(f"remat='{mode}' is only available at world_size=1 in this version of mambac.")
+    plan = make_plan(gm, mode, getattr(opts, "memory_budget", None))
+    apply_plan(gm, plan, ctx.verify)
+    gm.meta[MEMORY_PLAN] = plan
+    stats = ctx.stats_for(NAME)
+    stats.add("regions", len(plan.regions))
+    stats.add("recomputed_nodes", sum(len(r.nodes) for r in plan.regions))
+    stats.add("saved_bytes_without", plan.baseline)
+    stats.add("saved_bytes_predicted", plan.predicted)
+    gm.recompile()
+    return gm

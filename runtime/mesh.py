@@ -1,0 +1,92 @@
+"""Process groups and the device mesh (dp x tp) a compiled module runs on.
+
+mambac uses ``torch.distributed`` as it is: the process group is the one the launcher
+(``torchrun`` or ``mambac run``) set up, or one mambac initialises from the launcher's environment
+(gloo on CPU, NCCL on GPU) with the requested timeout.  Ranks are laid out dp-major, so the tp ranks
+of one data-parallel replica are consecutive (``torch.distributed.device_mesh.init_device_mesh``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mambac.errors import MambacRuntimeError
+from mambac.ir import MeshSpec
+
+
+def launch_hint(world_size: int) -> str:
+    return (f"launch {world_size} processes, e.g. `mambac run -n {world_size} script.py` or "
+            f"`torchrun --nproc-per-node {world_size} script.py`, and call mambac.compile(model, "
+            f"world_size={world_size}, ...) in each")
+
+
+def backend_for_device() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def launched() -> bool:
+    """True inside a process started by torchrun / ``mambac run`` (its environment is set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_distributed(timeout_s: float | None = None, backend: str | None = None) -> None:
+    """Initialise the default process group from the launcher's environment (no-op when done)."""
+    if dist.is_initialized():
+        return
+    if not launched():
+        raise MambacRuntimeError("no process group and no launcher environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+                                 "MASTER_PORT); " + launch_hint(int(os.environ.get("WORLD_SIZE", "2"))) + ".")
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=float(timeout_s))}
+    backend = backend or backend_for_device()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, **kw)
+
+
+@dataclass
+class RankMesh:
+    """This process's place in the mesh and its process groups."""
+
+    spec: MeshSpec
+    rank: int
+    tp_group: object
+    dp_group: object
+    device_mesh: object
+
+
+def coordinates(rank: int, tp: int) -> tuple[int, int]:
+    """(dp rank, tp rank) of a global rank: dp-major, tp ranks consecutive."""
+    return rank // tp, rank % tp
+
+
+def offline_spec(options, rank: int) -> MeshSpec:
+    """The mesh spec of ``rank`` when lowering without process groups (group names are labels)."""
+    dp_rank, tp_rank = coordinates(rank, options.tp)
+    return MeshSpec(dp=options.dp, tp=options.tp, dp_rank=dp_rank, tp_rank=tp_rank,
+                    sequence_parallel=options.sequence_parallel, output=options.output)
+
+
+def make_mesh(options) -> RankMesh | None:
+    """The mesh for this process, or None when no process group exists and none can be set up."""
+    if not dist.is_initialized():
+        if not launched():
+            return None
+        init_distributed(options.comm_timeout)
+    world = dist.get_world_size()
+    if world != options.world_size:
+        raise MambacRuntimeError(f"mambac.compile(world_size={options.world_size}) but the process group has {world} "
+                                 f"ranks; pass world_size={world} (or launch {options.world_size} processes).")
+    from torch.distributed.device_mesh import init_device_mesh
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (options.dp, options.tp), mesh_dim_names=("dp", "tp"))
+    rank = dist.get_rank()
+    tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+    dp_rank, tp_rank = coordinates(rank, options.tp)
+    spec = MeshSpec(dp=options.dp, tp=options.tp, dp_rank=dp_rank, tp_rank=tp_rank,
+                    dp_group=dp_group.group_name, tp_group=tp_group.group_name,
+                    sequence_parallel=options.sequence_parallel, output=options.output)
+    return RankMesh(spec=spec, rank=rank, tp_group=tp_group, dp_group=dp_group, device_mesh=mesh)

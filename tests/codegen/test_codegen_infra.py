@@ -1,0 +1,115 @@
+"""Writer, on-disk cache, compile stages (with repro on failure) and persistent autotune."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mambac import knobs
+from mambac.codegen import autotune, cache
+from mambac.codegen.compile import STAGES, CodegenError, load_kernel
+from mambac.codegen.kernel_ir import TileConfig, region_for
+from mambac.codegen.writer import Writer
+
+
+def test_writer_indents_blocks_and_rejects_bad_headers():
+    w = Writer()
+    with w.block("def f(a):"):
+        w.comment("why")
+        with w.block("for i in range(a):"):
+            w.line("a += i")
+        w.line("return a")
+    assert w.source() == "def f(a):\n    # why\n    for i in range(a):\n        a += i\n    return a\n"
+    with pytest.raises(ValueError, match="must end with ':'"):
+        with w.block("def g()"):
+            pass
+
+
+def test_cache_is_keyed_by_content(tmp_path):
+    with knobs.override(cache_dir=str(tmp_path)):
+        p1 = cache.write_source("k", "A = 1\n")
+        p2 = cache.write_source("k", "A = 2\n")
+        assert p1 != p2 and p1.read_text() == "A = 1\n" and p1.parent.parent == tmp_path / "kernels"
+        assert cache.write_source("k", "A = 1\n") == p1
+        cache.save_choice("fam", "key1", "v1")
+        cache.save_choice("fam", "key2", "v2")
+        assert cache.load_choices("fam") == {"key1": "v1", "key2": "v2"}
+        assert cache.load_choices("missing") == {}
+
+
+def test_load_kernel_runs_stages_in_order(tmp_path):
+    with knobs.override(cache_dir=str(tmp_path)):
+        k = load_kernel("my_kernel", lambda: "def my_kernel():\n    return 42\n")
+    assert k.stage_log == list(STAGES[:3]) and k.fn() == 42
+    assert k.path.read_text().startswith("def my_kernel")
+
+
+def test_import_failure_leaves_a_runnable_repro(tmp_path):
+    with knobs.override(cache_dir=str(tmp_path)):
+        with pytest.raises(CodegenError, match="stage 'import'") as info:
+            load_kernel("broken", lambda: "def broken(:\n")
+    repro = str(info.value).split("repro: python ")[1].strip()
+    proc = subprocess.run([sys.executable, repro], capture_output=True, text=True)
+    assert proc.returncode != 0 and "SyntaxError" in proc.stderr
+
+
+def test_render_failure_names_a_repro(tmp_path):
+    def bad_render():
+        raise KeyError("no such flag")
+
+    with knobs.override(cache_dir=str(tmp_path)):
+        with pytest.raises(CodegenError, match="stage 'render'.*KeyError") as info:
+            load_kernel("never", bad_render)
+    assert "no such flag" in open(str(info.value).split("repro: python ")[1].strip()).read()
+
+
+def test_autotune_measures_once_and_persists(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autotune, "device_name", lambda: "FakeGPU")
+    cands = [TileConfig(block_m=16), TileConfig(block_m=32), TileConfig(block_m=64)]
+    calls = []
+
+    def bench(cfg):
+        calls.append(cfg.block_m)
+        if cfg.block_m == 64:
+            raise RuntimeError("out of shared memory")
+        return 1.0 / cfg.block_m
+
+    with knobs.override(cache_dir=str(tmp_path)):
+        fam = autotune.family_key("k", ["src"], cands)
+        assert autotune.choose(fam, "b1", cands, bench) == cands[1]
+        assert calls == [16, 32, 64]
+        autotune._CHOSEN.clear()  # a new process: only the disk remembers
+        assert autotune.choose(fam, "b1", cands, bench) == cands[1]
+        assert calls == [16, 32, 64]
+        stored = json.loads(cache.autotune_file(fam).read_text())
+        assert list(stored) == ["b1|FakeGPU"]
+    assert autotune.family_key("k", ["other src"], cands) != fam
+
+
+def test_region_from_call_arguments():
+    x = torch.zeros(1, 4, 2, 3, dtype=torch.bfloat16)
+    r = region_for(x, 8, D=torch.zeros(2, 3), z=None, dt_bias=torch.zeros(2), initial_state=None,
+                   dt_softplus=True, dt_min=0.0, dt_max=float("inf"))
+    assert (r.d_mode, r.has_dt_bias, r.dt_clamp, r.has_z, r.io_dtype) == ("head_dim", True, False,
+                                                                            False, "bf16")
+    assert region_for(x, 8, D=None, z=None, dt_bias=None, initial_state=None, dt_softplus=False,
+                      dt_min=0.1, dt_max=float("inf")).dt_clamp
+    with pytest.raises(ValueError, match="no generated SSD kernels"):
+        region_for(x.double(), 8, D=None, z=None, dt_bias=None, initial_state=None,
+                   dt_softplus=False, dt_min=0.0, dt_max=float("inf"))
+
+
+def test_register_cuda_kernels_is_idempotent():
+    from mambac.codegen import register_cuda_kernels
+    register_cuda_kernels()
+    register_cuda_kernels()
+    x = torch.randn(1, 5, 2, 4, dtype=torch.float64)
+    y, final = torch.ops.mambac.ssd(x, torch.rand(1, 5, 2, dtype=torch.float64), -torch.rand(2),
+                                    torch.randn(1, 5, 1, 3), torch.randn(1, 5, 1, 3), None, None,
+                                    None, None, 4, False, 0.0, float("inf"))
+    assert y.shape == x.shape and final.shape == (1, 2, 4, 3)  # CPU still runs the reference

@@ -1,0 +1,123 @@
+"""Generated SSD kernels, forward and backward, under the Triton interpreter vs a float64 referee.
+
+Inputs are fresh random draws per case; half-precision cases round the inputs (and the output
+cotangent) to that dtype first, so the comparison measures the kernels' own rounding only.
+Tolerances: fp32 1e-4, bf16 1e-2 (relative, in norm).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from mambac.codegen import SSDSaved, ssd_backward, ssd_forward, ssd_triton
+from tests.codegen.referee import ssd_referee
+from tests.helpers import rel_err
+
+pytestmark = pytest.mark.interp
+
+NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_state")
+HALF = ("x", "dt", "B", "C", "z")  # inputs given in the io dtype; the rest stay fp32
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+def make_inputs(seed, b, l, h, p, n, g, *, D=None, z=False, init=False, bias=False, softplus=True,
+                dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    dt = r(b, l, h) * 0.5 - 1.0 if softplus else r(b, l, h).abs() * 0.3 + 0.05
+    vals = {"x": r(b, l, h, p), "dt": dt, "A": -torch.rand(h, generator=gen) * 2 - 0.5,
+            "B": r(b, l, g, n), "C": r(b, l, g, n),
+            "D": None if D is None else (r(h) if D == "head" else r(h, p)),
+            "z": r(b, l, h, p) if z else None, "dt_bias": r(h) * 0.3 if bias else None,
+            "initial_state": r(b, h, p, n) if init else None}
+    for k in HALF:
+        if vals[k] is not None:
+            vals[k] = vals[k].to(dtype)
+    return [vals[k] for k in NAMES]
+
+
+def check(args, chunk, softplus, limit, seed=0):
+    """Forward and all input gradients of the generated kernels against the referee."""
+    lo, hi = limit
+    dtype = args[0].dtype
+    ref_in = [None if a is None else a.double().requires_grad_(True) for a in args]
+    y_ref, s_ref = ssd_referee(*ref_in, softplus, lo, hi)
+    gen = torch.Generator().manual_seed(seed + 1)
+    gy = torch.randn(y_ref.shape, generator=gen).to(dtype)
+    gs = torch.randn(s_ref.shape, generator=gen)
+    ((y_ref * gy.double()).sum() + (s_ref * gs.double()).sum()).backward()
+
+    y, final, saved = ssd_forward(*args, chunk_size=chunk, dt_softplus=softplus, dt_min=lo,
+                                  dt_max=hi, return_saved=True)
+    assert y.dtype == dtype and final.dtype == torch.float32
+    errs = {"y": rel_err(y, y_ref), "final_state": rel_err(final, s_ref)}
+    grads = ssd_backward(gy, gs, *args, chunk, softplus, lo, hi, saved=saved)
+    for name, g, a, ref in zip(NAMES, grads, args, ref_in):
+        if a is None:
+            assert g is None, name
+            continue
+        assert g.shape == a.shape and g.dtype == a.dtype, name
+        errs["d" + name] = rel_err(g, ref.grad)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, f"errors above {TOL[dtype]}: {bad}; all: {errs}"
+
+
+NOLIM = (0.0, math.inf)
+
+
+@pytest.mark.parametrize("case", [
+    # (b, l, h, p, n, g, chunk), flags
+    dict(shape=(1, 20, 2, 4, 8, 1, 8), flags={}, softplus=False, limit=NOLIM),
+    dict(shape=(2, 16, 4, 6, 5, 2, 8), flags=dict(D="head_dim", init=True, bias=True),
+         softplus=True, limit=NOLIM),
+    dict(shape=(1, 7, 2, 4, 4, 2, 16), flags=dict(D="head", z=True), softplus=True,
+         limit=(0.05, 2.0)),
+    dict(shape=(1, 30, 4, 8, 8, 1, 12), flags=dict(D="head", z=True, init=True, bias=True),
+         softplus=False, limit=(0.05, 0.5)),
+], ids=["plain-L20", "Dhd-init-bias-L16", "z-clamp-L7<chunk", "all-chunk12"])
+def test_fp32_matches_referee(case):
+    b, l, h, p, n, g, q = case["shape"]
+    args = make_inputs(len(str(case)), b, l, h, p, n, g, softplus=case["softplus"], **case["flags"])
+    check(args, q, case["softplus"], case["limit"])
+
+
+def test_bf16_matches_referee():
+    args = make_inputs(5, 2, 33, 4, 8, 16, 2, D="head", z=True, init=True, bias=True,
+                       dtype=torch.bfloat16)
+    check(args, 16, True, NOLIM)
+
+
+def test_matches_op_reference_and_autograd_wrapper():
+    """Against mambac.ops.ssd's chunked reference too, and through ssd_triton's autograd."""
+    ssd_ref = importlib.import_module("mambac.ops.ssd").reference
+    args = make_inputs(11, 1, 19, 2, 4, 8, 1, D="head", bias=True, init=True)
+    leaves = [None if a is None else a.clone().requires_grad_(True) for a in args]
+    y, final = ssd_triton(*leaves[:5], chunk_size=8, D=leaves[5], z=leaves[6], dt_bias=leaves[7],
+                          initial_state=leaves[8], dt_softplus=True)
+    ref_in = [None if a is None else a.double().requires_grad_(True) for a in args]
+    y_ref, f_ref = ssd_ref(*ref_in, 8, True, 0.0, math.inf)
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(final, f_ref) < 1e-5
+    (y.sum() + final.square().sum()).backward()
+    (y_ref.sum() + f_ref.square().sum()).backward()
+    for name, a, r in zip(NAMES, leaves, ref_in):
+        if a is not None:
+            assert rel_err(a.grad, r.grad) < 1e-4, name
+
+
+def test_backward_recomputes_without_saved_state():
+    args = make_inputs(3, 1, 12, 2, 4, 4, 1, z=True)
+    dy = torch.randn(1, 12, 2, 4)
+    y, final, saved = ssd_forward(*args, chunk_size=8, dt_softplus=True, return_saved=True)
+    assert isinstance(saved, SSDSaved)
+    with_saved = ssd_backward(dy, None, *args, 8, True, saved=saved)
+    recomputed = ssd_backward(dy, None, *args, 8, True)
+    for name, a, b in zip(NAMES, with_saved, recomputed):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b), name

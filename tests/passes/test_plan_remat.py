@@ -1,0 +1,155 @@
+"""plan_remat: the printed graph after it, region counts, gradients bit-identical to no remat,
+measured saved bytes within 10% of the prediction and under the budget, and the errors."""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mambac
+from mambac.errors import MambacOptionsError
+from mambac.memory import MEMORY_PLAN, measure_saved, op_name
+from mambac.passes.plan_remat import RematRegion, make_plan
+from tests.models.tiny import tiny_lm
+
+FAMILIES = ["mamba1", "mamba2", "mamba3_siso"]
+
+
+def batch(b=2, l=12, vocab=37):
+    return torch.randint(0, vocab, (b, l)), torch.randint(0, vocab, (b, l))
+
+
+def step(compiled, model, ids, labels):
+    """Saved bytes of one forward (parameters and inputs excluded) and the parameter gradients."""
+    got = measure_saved(compiled, ids, labels, exclude=[*model.parameters(), ids, labels])
+    return got.nbytes, torch.autograd.grad(got.output, list(model.parameters()))
+
+
+def plan_of(compiled, *inputs):
+    return compiled.program_for(*inputs).gm.meta[MEMORY_PLAN]
+
+
+def regions_of(compiled, ids, labels):
+    gm = compiled.program_for(ids, labels).gm
+    return {name: m for name, m in gm.named_children() if isinstance(m, RematRegion)}
+
+
+def assert_same_grads(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_full_recomputes_every_block(name):
+    model, (ids, labels) = tiny_lm(name), batch()
+    plain = mambac.compile(model, example_inputs=(ids, labels))
+    full = mambac.compile(model, remat="full", example_inputs=(ids, labels))
+    assert full.program_for(ids, labels).ctx.count("plan_remat", "regions") == 2
+    text = full.lowered_graph_text()
+    assert text.startswith("# mambac graph after 'plan_remat'")
+    assert "= self.remat_backbone_layers_0(backbone_embedding)" in text
+    assert "self.remat_backbone_layers_1(" in text and "mixer.in_proj" not in text  # blocks live in regions
+    assert set(regions_of(full, ids, labels)) == {"remat_backbone_layers_0", "remat_backbone_layers_1"}
+    base_bytes, base_grads = step(plain, model, ids, labels)
+    got_bytes, got_grads = step(full, model, ids, labels)
+    plan = plan_of(full, ids, labels)
+    assert abs(plan.predicted - got_bytes) <= 0.1 * got_bytes and got_bytes < base_bytes / 2
+    assert_same_grads(got_grads, base_grads)
+    assert torch.equal(full(ids), plain(ids))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_auto_meets_a_budget_between_the_least_and_no_remat(name):
+    model, (ids, labels) = tiny_lm(name), batch()
+    plain = mambac.compile(model, example_inputs=(ids, labels))
+    free = make_plan(plain.program_for(ids, labels).gm, "auto", None)
+    budget = (free.minimum + free.baseline) // 2
+    auto = mambac.compile(model, remat="auto", memory_budget=budget, example_inputs=(ids, labels))
+    plan = plan_of(auto, ids, labels)
+    assert plan.regions and plan.predicted <= budget < plan.baseline
+    got_bytes, got_grads = step(auto, model, ids, labels)
+    assert abs(plan.predicted - got_bytes) <= 0.1 * got_bytes and got_bytes <= budget
+    assert_same_grads(got_grads, step(plain, model, ids, labels)[1])
+
+
+def test_auto_prefers_cheap_regions_over_recomputing_matmuls():
+    model, (ids, labels) = tiny_lm("mamba2"), batch()
+    plain = mambac.compile(model, example_inputs=(ids, labels))
+    baseline = make_plan(plain.program_for(ids, labels).gm, "auto", None).baseline
+    # 10 kB: more than the head's cross-entropy alone frees, less than one block's conv + scan + norm
+    auto = mambac.compile(model, remat="auto", memory_budget=baseline - 10_000, example_inputs=(ids, labels))
+    plan = plan_of(auto, ids, labels)
+    assert [r.kind for r in plan.regions] == ["cheap"]
+    bodies = [r.body.graph for r in regions_of(auto, ids, labels).values()]
+    assert not any(n.op == "call_module" for g in bodies for n in g.nodes)  # no Linear is recomputed
+    ops = {op_name(n) for g in bodies for n in g.nodes}
+    assert {"mambac.ssd", "mambac.causal_conv1d", "mambac.gated_rmsnorm"} <= ops
+
+
+def test_impossible_budget_names_the_least_feasible_one():
+    model, (ids, labels) = tiny_lm("mamba2"), batch()
+    with pytest.raises(MambacOptionsError, match=r"at least \d+") as info:
+        mambac.compile(model, remat="auto", memory_budget=1000, example_inputs=(ids, labels))
+    least = int(re.search(r"at least (\d+)", str(info.value)).group(1))
+    assert "memory_budget=1000 bytes" in str(info.value)
+    ok = mambac.compile(model, remat="auto", memory_budget=least, example_inputs=(ids, labels))
+    assert plan_of(ok, ids, labels).predicted == least
+
+
+def test_generous_budget_changes_nothing():
+    model, (ids, labels) = tiny_lm("mamba2"), batch()
+    plain = mambac.compile(model, example_inputs=(ids, labels))
+    auto = mambac.compile(model, remat="auto", memory_budget=2 ** 40, example_inputs=(ids, labels))
+    assert plan_of(auto, ids, labels).regions == ()
+    body = lambda c: c.lowered_graph_text().split("\n", 1)[1]  # noqa: E731
+    assert body(auto) == body(plain)
+
+
+class Toy(nn.Module):
+    """Two linears around cheap elementwise math: the math is what 'auto' recomputes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.lin1(x)
+        return self.lin2(torch.tanh(h * torch.sigmoid(h)))
+
+    def example_inputs(self):
+        return (torch.randn(2, 5, 8),)
+
+
+def test_small_graph_printed_after_plan_remat():
+    model = Toy()
+    compiled = mambac.compile(model, remat="auto")
+    assert compiled.lowered_graph_text() == """\
+# mambac graph after 'plan_remat' (rank 0 of 1)
+def forward(self):
+    x = input()  # f32[2, 5, 8]
+    lin1 = self.lin1(x)  # f32[2, 5, 16] | lin1
+    remat_body_run0 = self.remat_body_run0(lin1)  # (f32[2, 5, 16])
+    getitem = operator.getitem(remat_body_run0, 0)  # f32[2, 5, 16]
+    lin2 = self.lin2(getitem)  # f32[2, 5, 8] | lin2
+    return lin2
+"""
+    body = compiled.program_for(*model.example_inputs()).gm.remat_body_run0.body
+    assert [n.op for n in body.graph.nodes] == ["placeholder"] + ["call_function"] * 3 + ["output"]
+    x = model.example_inputs()[0]
+    plan = plan_of(compiled, x)
+    assert plan.baseline - plan.predicted == 2 * 5 * 16 * 4  # sigmoid(h) is no longer kept
+    got = measure_saved(compiled, x, exclude=[*model.parameters(), x])
+    assert got.nbytes == plan.predicted
+    g_remat = torch.autograd.grad(got.output.sum(), list(model.parameters()))
+    assert_same_grads(g_remat, torch.autograd.grad(model(x).sum(), list(model.parameters())))
+
+
+def test_dump_shows_the_regions(tmp_path):
+    mambac.compile(tiny_lm("mamba1"), remat="full", dump_dir=str(tmp_path))
+    files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
+    assert files[-1] == "04_plan_remat.txt"
+    assert "self.remat_backbone_layers_1(" in (tmp_path / "rank0" / files[-1]).read_text()
+
+
+def test_remat_needs_a_single_rank():
+    with pytest.raises(MambacOptionsError, match="world_size=1"):
+        mambac.compile(tiny_lm("mamba2"), world_size=2, remat="full")
