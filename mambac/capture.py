@@ -131,6 +131,10 @@ def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     gm.meta[FAKE_MODE_KEY] = mode
     fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     prop = FakeTensorProp(gm, mode)
+    # Under autocast, casting a weight caches the cast copy; a fake copy left in that cache would be
+    # handed to the real run that follows inside the same autocast region.
+    cache_was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     try:
         prop.propagate(*fakes)
     except MambacCaptureError:
@@ -142,6 +146,8 @@ def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
             f"shape propagation failed at node '{bad.name if bad else '?'}' in module '{where[0] or '<root>'}' "
             f"({where[1] or 'model'}): {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
             "Check that the example inputs have the shapes and dtypes the model expects.") from exc
+    finally:
+        torch.set_autocast_cache_enabled(cache_was)
     for node in gm.graph.nodes:  # values that are None (unused optional inputs) still get an entry
         node.meta.setdefault(VAL, None)
 

@@ -4,6 +4,7 @@ import torch
 
 import mambac
 from mambac.errors import MambacInputError
+from mambac.runtime.compiled_module import CompiledModule
 from tests.helpers import rel_err
 from tests.models.tiny import VARIANTS, tiny_lm
 
@@ -86,3 +87,17 @@ def test_compile_rejects_non_modules_and_double_compile():
     c = mambac.compile(tiny_lm("mamba1"))
     with pytest.raises(MambacInputError, match="already compiled"):
         mambac.compile(c)
+
+
+def test_first_call_inside_autocast_returns_real_tensors():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model = tiny_lm("mamba2")
+    compiled = CompiledModule(model, mambac.CompileOptions.create())  # nothing lowered yet
+    ids = torch.randint(0, 37, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = compiled(ids)      # lowered here, inside autocast
+        second = compiled(ids)
+        eager = model(ids)
+    assert not isinstance(first, FakeTensor) and not isinstance(second, FakeTensor)
+    assert rel_err(second, eager) <= 2e-2
