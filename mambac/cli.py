@@ -2,6 +2,7 @@
 
     mambac dump MODEL [--stage NAME|all] [--format text|dot|svg] [-o FILE] [--batch B --seqlen L]
                       [--world-size W --rank R --tp T --dp D --sequence-parallel]
+    mambac explain MODEL [--world-size W --tp T --sequence-parallel --remat auto --memory-budget 8GiB]
     mambac run -n W [--timeout S] script.py args...
     mambac demo [--steps N ...]
 
@@ -118,6 +119,33 @@ def _mesh_options(args: argparse.Namespace) -> dict:
     return opts
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from mambac.convert import prepare_model
+    from mambac.explain import explain
+    from mambac.lowering import lower_all_ranks
+
+    model = prepare_model(load_model(args.model))
+    opts = _mesh_options(args)
+    if args.remat != "none":
+        opts["remat"] = args.remat
+    if args.memory_budget:
+        opts["memory_budget"] = _parse_bytes(args.memory_budget)
+    programs = lower_all_ranks(model, _example_inputs(model, args.batch, args.seqlen), args.world_size, **opts)
+    ranks = None if args.rank is None else [args.rank]
+    sys.stdout.write(explain(programs, ranks))
+    return 0
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+    t = text.strip().upper()
+    num = t.rstrip("KMGIB")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise MambacInputError(f"cannot read {text!r} as a size: write e.g. 8GiB, 512MiB or 1000000.") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from mambac.runtime.launcher import launch
 
@@ -141,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seqlen", type=int, default=64)
     d.add_argument("-o", "--output", default="")
     d.set_defaults(fn=cmd_dump)
+    e = sub.add_parser("explain", help="per rank: parameters, activation memory, communication, kernels")
+    e.add_argument("model", help="preset name, file.py:factory, or checkpoint directory")
+    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
+    e.add_argument("--tp", type=int, default=None)
+    e.add_argument("--dp", type=int, default=1)
+    e.add_argument("--sequence-parallel", action="store_true")
+    e.add_argument("--remat", choices=("none", "full", "auto"), default="none")
+    e.add_argument("--memory-budget", default="", help="bytes per rank for remat=auto, e.g. 8GiB")
+    e.add_argument("--batch", type=int, default=2)
+    e.add_argument("--seqlen", type=int, default=64)
+    e.set_defaults(fn=cmd_explain)
     r = sub.add_parser("run", help="launch W ranks of a script through torch.distributed.run")
     r.add_argument("-n", "--nprocs", type=int, required=True)
     r.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")

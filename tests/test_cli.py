@@ -77,3 +77,20 @@ def test_run_launches_ranks(tmp_path):
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     assert "rank 0 of 2" in r.stdout and "rank 1 of 2" in r.stdout
+
+
+def test_explain_reports_parameters_communication_kernels_and_memory(capsys):
+    assert main(["explain", "mamba2-tiny", "--world-size", "2", "--rank", "1", "--seqlen", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("=== rank 1 of 2 ===")
+    for part in ("parameters held by this rank", "communication per step", "all_reduce", "kernels (fused ops):",
+                 "ssd [dt_prologue+d_skip]", "saved for backward", "*B*L"):
+        assert part in out, part
+    assert main(["explain", "mamba1-tiny", "--remat", "auto", "--memory-budget", "lots"]) == 2
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+def test_explain_single_rank_with_remat(capsys):
+    assert main(["explain", "mamba1-tiny", "--remat", "full", "--seqlen", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "communication: none (single rank)" in out and "remat='full'" in out and "recomputed in backward: 2 regions" in out

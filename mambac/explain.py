@@ -1,0 +1,95 @@
+"""``mambac explain``: per rank, what a lowered program holds and does — parameters, activation
+memory (from ``mambac.memory``), communication per step (collective nodes of the graph), and the
+fused kernels it runs."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import torch
+import torch.fx
+
+from mambac.ir import VAL, fusion_of
+from mambac.lowering import Lowered
+from mambac.memory import explain_memory, human
+from mambac.ops._common import info_for_target
+
+# Bytes each collective moves per call, forward and backward, as a function of (input, output)
+# bytes: an all-reduce in forward is an identity in backward and the reverse for grad_all_reduce;
+# a gather in forward is a reduce-scatter of the gradient in backward, and so on.
+_PAYLOAD = {
+    "all_reduce": (lambda i, o: i, lambda i, o: 0),
+    "grad_all_reduce": (lambda i, o: 0, lambda i, o: i),
+    "all_gather": (lambda i, o: o, lambda i, o: o),
+    "all_gather_rs": (lambda i, o: o, lambda i, o: o),
+    "reduce_scatter": (lambda i, o: i, lambda i, o: i),
+    "shard_slice": (lambda i, o: 0, lambda i, o: i),
+}
+
+
+def _nbytes(v) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _collective(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    name = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", "")
+    return name if name in _PAYLOAD else None
+
+
+def parameters_section(gm: torch.fx.GraphModule) -> str:
+    params = list(dict.fromkeys(gm.parameters()))
+    count = sum(p.numel() for p in params)
+    return f"parameters held by this rank: {count:,} ({human(sum(_nbytes(p) for p in params))})"
+
+
+def communication_rows(gm: torch.fx.GraphModule) -> list[tuple[str, str, int, int, int]]:
+    """(collective, group, calls, forward bytes, backward bytes) per kind and group, per step."""
+    acc: dict[tuple[str, str], list[int]] = {}
+    for node in gm.graph.nodes:
+        kind = _collective(node)
+        if kind is None:
+            continue
+        group = str(node.args[-1])
+        i, o = _nbytes(node.args[0].meta.get(VAL)), _nbytes(node.meta.get(VAL))
+        fwd, bwd = _PAYLOAD[kind]
+        row = acc.setdefault((kind, group), [0, 0, 0])
+        row[0] += 1
+        row[1] += fwd(i, o)
+        row[2] += bwd(i, o)
+    return [(k, g, *v) for (k, g), v in sorted(acc.items())]
+
+
+def communication_section(gm: torch.fx.GraphModule) -> str:
+    rows = communication_rows(gm)
+    if not rows:
+        return "communication: none (single rank)"
+    lines = ["communication per step at the example shape (payload bytes per rank):",
+             f"  {'collective':16s} {'group':6s} {'calls':>5s} {'forward':>11s} {'backward':>11s}"]
+    lines += [f"  {k:16s} {g:6s} {n:5d} {human(f):>11s} {human(b):>11s}" for k, g, n, f, b in rows]
+    return "\n".join(lines)
+
+
+def kernels_section(gm: torch.fx.GraphModule) -> str:
+    """The fused ops the program runs, with what each absorbed."""
+    seen = Counter()
+    for node in gm.graph.nodes:
+        info = info_for_target(node.target) if node.op == "call_function" else None
+        if info is not None:
+            fused = "+".join(fusion_of(node).fusions)
+            seen[f"{info.name}" + (f" [{fused}]" if fused else "")] += 1
+    lines = ["kernels (fused ops):"] + [f"  {n:3d} x {k}" for k, n in sorted(seen.items())]
+    return "\n".join(lines)
+
+
+def explain(programs: Sequence[Lowered], ranks: Sequence[int] | None = None) -> str:
+    """The report for the given ranks' programs (all of them by default)."""
+    out = []
+    for rank, program in enumerate(programs):
+        if ranks is not None and rank not in ranks:
+            continue
+        gm = program.gm
+        out.append("\n".join([f"=== rank {rank} of {len(programs)} ===", parameters_section(gm),
+                              communication_section(gm), kernels_section(gm), explain_memory(program)]))
+    return "\n\n".join(out) + "\n"
