@@ -41,7 +41,8 @@ def test_errors_are_one_clear_line(capsys):
 
 def test_console_script_and_demo(tmp_path):
     exe = [sys.executable, "-m", "mambac.cli"]
-    r = subprocess.run(exe + ["demo", "--graph-out", str(tmp_path / "g.txt"), "--steps", "4", "--batch", "8"],
+    r = subprocess.run(exe + ["demo", "--graph-out", str(tmp_path / "g.txt"), "--steps", "4", "--batch", "8",
+                              "--world-size", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "parity vs eager" in r.stdout and "-> OK" in r.stdout
