@@ -71,10 +71,21 @@ def communication_section(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def kernels_section(gm: torch.fx.GraphModule) -> str:
-    """The fused ops the program runs, with what each absorbed."""
-    seen = Counter()
+def _all_nodes(gm: torch.fx.GraphModule):
+    """Nodes of the graph and of the sub-graphs it calls (recompute regions)."""
     for node in gm.graph.nodes:
+        sub = gm.get_submodule(node.target) if node.op == "call_module" else None
+        sub = getattr(sub, "body", sub)  # a recompute region runs its body graph
+        if isinstance(sub, torch.fx.GraphModule):
+            yield from _all_nodes(sub)
+        else:
+            yield node
+
+
+def kernels_section(gm: torch.fx.GraphModule) -> str:
+    """The fused ops the program runs (recompute regions included), with what each absorbed."""
+    seen = Counter()
+    for node in _all_nodes(gm):
         info = info_for_target(node.target) if node.op == "call_function" else None
         if info is not None:
             fused = "+".join(fusion_of(node).fusions)

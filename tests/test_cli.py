@@ -95,3 +95,4 @@ def test_explain_single_rank_with_remat(capsys):
     assert main(["explain", "mamba1-tiny", "--remat", "full", "--seqlen", "16"]) == 0
     out = capsys.readouterr().out
     assert "communication: none (single rank)" in out and "remat='full'" in out and "recomputed in backward: 2 regions" in out
+    assert "2 x selective_scan [delta_prologue+d_skip+z_gate]" in out  # ops inside recompute regions count
