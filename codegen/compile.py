@@ -61,6 +61,7 @@ class CompiledKernel:
 
 
 _MODULES: dict[Path, ModuleType] = {}
+_LOADED: dict[tuple[str, str], CompiledKernel] = {}
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -81,14 +82,22 @@ def _import_file(path: Path) -> ModuleType:
 
 
 def load_kernel(name: str, render: Callable[[], str], describe: str = "") -> CompiledKernel:
-    """Run render -> write -> import for kernel ``name``; see the module docstring."""
+    """Run render -> write -> import for kernel ``name``; see the module docstring.
+
+    A source already loaded in this process is returned from memory (no disk access), which
+    keeps the per-launch cost of the generated kernels to a dictionary lookup.
+    """
     log: list[str] = []
     source = _stage("render", name, describe, log, render, None)
+    if (name, source) in _LOADED:
+        return _LOADED[(name, source)]
     path = _stage("write", name, describe, log, lambda: cache.write_source(name, source), source)
     module = _stage("import", name, describe, log, lambda: _import_file(path), source)
     if not hasattr(module, name):
         raise CodegenError(f"generated module {path} defines no kernel named {name!r}")
-    return CompiledKernel(name=name, source=source, path=path, module=module, stage_log=log)
+    kernel = CompiledKernel(name=name, source=source, path=path, module=module, stage_log=log)
+    _LOADED[(name, source)] = kernel
+    return kernel
 
 
 def _stage(stage: str, name: str, describe: str, log: list[str], fn: Callable[[], Any],

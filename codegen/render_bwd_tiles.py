@@ -91,15 +91,16 @@ def _dx_epilogue(w: Writer, r: SSDRegion, j: int) -> None:
     w.line(dense_store("dx_ptr", "pos_s", h, "v_s", to_io(r, "dx")))
 
 
-def render_dbc(r: SSDRegion, which: str) -> str:
-    """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows)."""
+def render_dbc(r: SSDRegion, which: str, unroll: int = 1) -> str:
+    """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows); the head loop
+    of the pair path handles ``unroll`` heads per iteration (it must divide the split's heads)."""
     if which not in ("b", "c"):
         raise ValueError("which must be 'b' or 'c'")
     q = r.chunk_size
     name, own, other = f"ssd_d{which}", which, ("b" if which == "c" else "c")
     w = Writer()
     header(w, name, r, f"Backward for {which.upper()} per group (summed over a split's heads), "
-           "and the cumsum-gradient pieces of its side.")
+           f"and the cumsum-gradient pieces of its side; {unroll} head(s) per pair-loop step.")
     args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr", "dtp_ptr", "cs_ptr",
             "sin_ptr" if which == "c" else "dsout_ptr", "out_ptr",
             "es_ptr" if which == "c" else "v_ptr", "pair_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
@@ -123,7 +124,7 @@ def render_dbc(r: SSDRegion, which: str) -> str:
                 _dc_state_path(w, r)
             else:
                 _db_state_path(w, r)
-        _dbc_pairs(w, r, which, own, other)
+        _dbc_pairs(w, r, which, own, other, unroll)
         w.line(f"out = out_ptr + ((bi64 * L + pos_{rows}[:, None]) * HS + hs) * G * N + g * N"
                " + offs_n[None, :]")
         w.line(f"tl.store(out, acc, mask=v_{rows}[:, None] & m_n[None, :])")
@@ -152,9 +153,9 @@ def _db_state_path(w: Writer, r: SSDRegion) -> None:
     w.line(f"tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=s < {q})")
 
 
-def _dbc_pairs(w: Writer, r: SSDRegion, which: str, own: str, other: str) -> None:
+def _dbc_pairs(w: Writer, r: SSDRegion, which: str, own: str, other: str, unroll: int) -> None:
     """Partner tiles: per head the pair weights W (and their M sums), then one matmul."""
-    q, io = r.chunk_size, r.tl_io
+    q = r.chunk_size
     part, rows = ("s", "t") if which == "c" else ("t", "s")
     loop = ("for k0 in range(0, pid_m * BT + BT, BS):" if which == "c"
             else f"for k0 in range(pid_m * BT, {q}, BS):")
@@ -167,23 +168,31 @@ def _dbc_pairs(w: Writer, r: SSDRegion, which: str, own: str, other: str) -> Non
         w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]" if which == "c"
                else "causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
         w.line("wsum = tl.zeros((BT, BS), dtype=tl.float32)")
-        with w.block("for hh in range(hbase, hbase + hps):"):
-            w.line(f"row = (bi64 * H + hh) * (NC * {q}) + pid_c * {q}")
-            w.line(f"cs_t = tl.load(cs_ptr + row + t, mask=t < {q}, other=0.0)")
-            w.line(f"cs_s = tl.load(cs_ptr + row + s, mask=s < {q}, other=0.0)")
-            w.line(f"dt_s = tl.load(dtp_ptr + row + s, mask=s < {q}, other=0.0)")
-            w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", "hh", "v_t"))
-            w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p",
-                                       "v_s", "m_p"))
-            if which == "c":
-                w.line(f"gm = {dot(r, 'dy_t', 'tl.trans(x_s)')}")
-                w.line(f"wj = gm * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], {NEG}))"
-                       " * dt_s[None, :]")
-            else:
-                w.line(f"gm = {dot(r, 'x_s', 'tl.trans(dy_t)')}")
-                w.line(f"wj = gm * tl.exp(tl.where(causal, cs_t[None, :] - cs_s[:, None], {NEG}))"
-                       " * dt_s[:, None]")
-            w.line("wsum += wj")
-            w.line(f"tl.store(pair_ptr + (row + {rows}) * NT + k0 // BS, tl.sum(wj * cb, 1), "
-                   f"mask=({rows} < {q}) & (k0 < {q}))")
+        w.comment(f"{unroll} head(s) per iteration: independent loads and matmuls in flight")
+        with w.block(f"for h0 in range(hbase, hbase + hps, {unroll}):"):
+            for j in range(unroll):
+                _dbc_pair_head(w, r, which, rows, f"h0 + {j}")
         w.line(f"acc = {dot(r, to_io(r, 'wsum'), f'{other}_p', 'acc')}")
+
+
+def _dbc_pair_head(w: Writer, r: SSDRegion, which: str, rows: str, hh: str) -> None:
+    """One head's pair weights for the current partner tile: into wsum and the M sums."""
+    q = r.chunk_size
+    w.line(f"row = (bi64 * H + {hh}) * (NC * {q}) + pid_c * {q}")
+    w.line(f"cs_t = tl.load(cs_ptr + row + t, mask=t < {q}, other=0.0)")
+    w.line(f"cs_s = tl.load(cs_ptr + row + s, mask=s < {q}, other=0.0)")
+    w.line(f"dt_s = tl.load(dtp_ptr + row + s, mask=s < {q}, other=0.0)")
+    w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", hh, "v_t"))
+    w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({hh}) * sxh", "pos_s", "sxl", "offs_p",
+                               "v_s", "m_p"))
+    if which == "c":
+        w.line(f"gm = {dot(r, 'dy_t', 'tl.trans(x_s)')}")
+        w.line(f"wj = gm * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], {NEG}))"
+               " * dt_s[None, :]")
+    else:
+        w.line(f"gm = {dot(r, 'x_s', 'tl.trans(dy_t)')}")
+        w.line(f"wj = gm * tl.exp(tl.where(causal, cs_t[None, :] - cs_s[:, None], {NEG}))"
+               " * dt_s[:, None]")
+    w.line("wsum += wj")
+    w.line(f"tl.store(pair_ptr + (row + {rows}) * NT + k0 // BS, tl.sum(wj * cb, 1), "
+           f"mask=({rows} < {q}) & (k0 < {q}))")

@@ -36,8 +36,8 @@ GATE_BWD = Family("ssd_gate_backward",
                   lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "gate_backward"),
                   head_block_candidates)
 DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), dx_candidates)
-DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c"), group_candidates)
-DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b"), group_candidates)
+DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c", c.heads), group_candidates)
+DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b", c.heads), group_candidates)
 DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r), single_candidate)
 
 

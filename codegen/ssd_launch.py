@@ -64,6 +64,7 @@ class Family:
 
 
 _SOURCES: dict[tuple, str] = {}
+_PLANS: dict[tuple, tuple[CompiledKernel, TileConfig]] = {}
 
 
 def source_of(fam: Family, region: SSDRegion, cfg: TileConfig) -> str:
@@ -81,7 +82,14 @@ def kernel_of(fam: Family, region: SSDRegion, cfg: TileConfig) -> CompiledKernel
 
 def run_family(fam: Family, region: SSDRegion, dims: Dims,
                launch: Callable[[CompiledKernel, TileConfig], Any]) -> Any:
-    """Choose a config (autotune stage) and launch; returns what ``launch`` returns."""
+    """Choose a config (autotune stage) and launch; returns what ``launch`` returns.
+
+    The choice is remembered per (kernel, region, sizes), so later calls go straight to the
+    launch: generated kernels are called many times per training step.
+    """
+    plan = _PLANS.get((fam.name, region, dims))
+    if plan is not None:
+        return launch(*plan)
     cands = fam.candidates(dims)
     family = autotune.family_key(fam.name, [source_of(fam, region, c) for c in cands], cands)
 
@@ -90,7 +98,9 @@ def run_family(fam: Family, region: SSDRegion, dims: Dims,
         return autotune.time_ms(lambda: launch(kern, cfg))
 
     cfg = autotune.choose(family, dims.bucket(), cands, bench)
-    return launch(kernel_of(fam, region, cfg), cfg)
+    kernel = kernel_of(fam, region, cfg)
+    _PLANS[(fam.name, region, dims)] = (kernel, cfg)
+    return launch(kernel, cfg)
 
 
 def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
@@ -99,8 +109,9 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
 
 # (heads, block_m, block_k, num_warps, num_stages); chosen from sm_90 resource reports of the
 # generated code (registers, no or little spilling at headdim 64 / dstate 128)
-_HEAD_BLOCK_TILES = ((1, 64, 64, 4, 2), (2, 64, 32, 8, 3), (4, 64, 32, 8, 2))
-_DX_TILES = ((1, 64, 64, 8, 2), (2, 64, 32, 8, 3))
+# measured on an H200 (NOTES_ssd.md): 8-warp head blocks were 2x slower in the chunk scan
+_HEAD_BLOCK_TILES = ((1, 64, 64, 4, 2), (1, 128, 64, 8, 2), (2, 64, 64, 4, 2), (1, 64, 64, 4, 3))
+_DX_TILES = ((2, 64, 32, 8, 3), (1, 64, 64, 8, 2), (1, 64, 64, 4, 3))
 
 
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
@@ -151,10 +162,12 @@ def group_candidates(d: Dims) -> list[TileConfig]:
     """Tiles of the dB / dC kernels: block_m rows, block_k partner positions, splits the number
     of programs that share one group's heads."""
     if autotune.interpreting():
-        return [TileConfig(block_m=32, block_k=16, splits=_divisors(d.hpg, (2, 1))[0], num_warps=1)]
-    # splits only changes the launch grid, so those candidates share one compiled kernel
-    return [TileConfig(block_m=64, block_k=32, splits=s, num_warps=8, num_stages=2)
-            for s in _divisors(d.hpg, (1, 2, 4, 8))]
+        splits = _divisors(d.hpg, (2, 1))[0]
+        return [TileConfig(block_m=32, block_k=16, splits=splits,
+                           heads=2 if (d.hpg // splits) % 2 == 0 else 1, num_warps=1)]
+    # splits only changes the launch grid; heads (the head-loop unroll) changes the source
+    return [TileConfig(block_m=64, block_k=32, heads=u, splits=s, num_warps=8, num_stages=2)
+            for u in (1, 2) for s in _divisors(d.hpg, (1, 2, 4, 8)) if (d.hpg // s) % u == 0]
 
 
 def single_candidate(d: Dims) -> list[TileConfig]:

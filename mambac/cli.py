@@ -3,7 +3,8 @@
     mambac dump MODEL [--stage NAME|all] [--format text|dot|svg] [-o FILE] [--batch B --seqlen L]
                       [--world-size W --rank R --tp T --dp D --sequence-parallel]
     mambac explain MODEL [--world-size W --tp T --sequence-parallel --remat auto --memory-budget 8GiB]
-    mambac run -n W [--timeout S] script.py args...
+    mambac run -n W [--timeout S] [--max-restarts R] script.py args...
+    mambac plan MODEL --world-size W [--device-memory 80GiB] [--batch B --seqlen L] [--device h200|cpu]
     mambac demo [--steps N ...]
 
 MODEL is a built-in preset name (``mambac dump --list``), ``path/to/file.py:factory`` (a function
@@ -149,7 +150,17 @@ def _parse_bytes(text: str) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from mambac.runtime.launcher import launch
 
-    return launch(args.nprocs, args.script, args.args, timeout=args.timeout)
+    return launch(args.nprocs, args.script, args.args, timeout=args.timeout,
+                  max_restarts=args.max_restarts)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from mambac.autoplan import format_table, plan
+
+    rows = plan(load_model(args.model), world_size=args.world_size, device_memory=args.device_memory,
+                batch=args.batch, seqlen=args.seqlen, device=args.device)
+    print(format_table(rows, limit=args.top))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,9 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="launch W ranks of a script through torch.distributed.run")
     r.add_argument("-n", "--nprocs", type=int, required=True)
     r.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
+    r.add_argument("--max-restarts", type=int, default=0,
+                   help="when a rank fails, restart every rank up to this many times")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
+    p = sub.add_parser("plan", help="rank parallel layouts (tp, cp, dp, sp, remat) by predicted step time")
+    p.add_argument("model", help="preset name, file.py:factory, or checkpoint directory")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--device-memory", default=None, help="bytes per device, e.g. 80GiB (default: the device's)")
+    p.add_argument("--device", choices=("h200", "cpu"), default="h200")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--top", type=int, default=10, help="how many feasible layouts to print")
+    p.set_defaults(fn=cmd_plan)
     sub.add_parser("demo", help="run the main job (options: mambac demo --help)")
     return ap
 

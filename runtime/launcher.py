@@ -37,11 +37,15 @@ def torchrun_command(nprocs: int, script: str, args: Sequence[str] = (), extra: 
 
 
 def launch(nprocs: int, script: str, args: Sequence[str] = (), extra: Sequence[str] = (),
-           timeout: float | None = None) -> int:
+           timeout: float | None = None, max_restarts: int = 0) -> int:
     """Run ``script`` on ``nprocs`` ranks; returns the exit status (non-zero when any rank failed).
 
     ``timeout`` (seconds) bounds the whole run: when it passes every rank is stopped and 124 is
-    returned, so a launch never hangs."""
+    returned, so a launch never hangs.  ``max_restarts``: when a rank fails, torchrun stops the
+    others and starts every rank again, up to this many times (the script resumes from its last
+    checkpoint, e.g. with ``mambac.trainer.Trainer.load``)."""
+    if max_restarts:
+        extra = [*extra, "--max-restarts", str(int(max_restarts))]
     cmd = torchrun_command(nprocs, script, args, extra)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

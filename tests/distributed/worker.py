@@ -212,7 +212,9 @@ def main() -> None:
     import datetime
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("MAMBAC_TEST_PG_TIMEOUT", "60"))))
     world = dist.get_world_size()
-    result = {"tp2": scenario_tp2, "w4": scenario_w4, "faults": scenario_faults}[scenario](world)
+    from tests.distributed.cp_worker import scenario_cp
+    scenarios = {"tp2": scenario_tp2, "w4": scenario_w4, "faults": scenario_faults, "cp": scenario_cp}
+    result = scenarios[scenario](world)
     print("RESULT " + json.dumps(result), flush=True)
     if scenario != "faults":
         dist.barrier()

@@ -1,0 +1,379 @@
+"""The automatic layout planner: which (tp, cp, dp, sequence_parallel, remat) to use for a model on
+W devices with a given memory per device, batch and sequence length.
+
+Every candidate layout gets a predicted step time (compute, recompute and communication) and a
+predicted memory per rank (weights, gradients, optimizer state and saved activations); the
+feasible ones are ranked fastest first.  Activation bytes and FLOPs come from the memory model
+(``mambac.memory``: what autograd saves, as formulas in B and L, and each node's FLOPs), measured
+once on the single-device program at a small example shape; the layouts only rescale them.
+docs/planner.md explains the model and its assumptions.  This module predicts only: it lowers
+nothing for several ranks and chooses no option of ``mambac.compile`` by itself.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import sympy
+import torch
+
+from mambac.errors import MambacInputError, MambacOptionsError
+from mambac.memory import B as SYM_B, L as SYM_L, human
+
+REMAT_MODES = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator and its links.  Defaults: one H200 of an 8-GPU NVLink node (dense bf16
+    peak, HBM3e bandwidth, NVLink bandwidth per direction, a typical small-message collective
+    latency); ``efficiency`` is the fraction of peak FLOP/s a training step reaches."""
+
+    name: str = "H200"
+    flops_per_s: float = 989e12
+    memory_bytes_per_s: float = 4.8e12
+    link_bytes_per_s: float = 450e9
+    latency_s: float = 10e-6
+    memory: int = 141 * 10**9
+    efficiency: float = 0.5
+
+    def compute_seconds(self, flops: float, nbytes: float) -> float:
+        """Roofline time of ``flops`` FLOPs that move ``nbytes`` bytes."""
+        return max(flops / (self.flops_per_s * self.efficiency), nbytes / self.memory_bytes_per_s)
+
+
+H200 = Device()
+CPU = Device(name="CPU", flops_per_s=2e12, memory_bytes_per_s=200e9, link_bytes_per_s=20e9,
+             latency_s=50e-6, memory=256 * 2**30, efficiency=0.3)
+DEVICES = {"h200": H200, "cpu": CPU}
+
+
+@dataclass(frozen=True)
+class ActBytes:
+    """Saved-for-backward bytes ``a + b*B + c*L + d*B*L`` at batch B and sequence length L, split
+    into the part tensor parallelism shards (mixer internals, vocabulary-parallel logits) and the
+    part it replicates (the residual stream: sharded only under sequence parallelism)."""
+
+    sharded: tuple[float, float, float, float]
+    replicated: tuple[float, float, float, float]
+
+    @staticmethod
+    def _eval(c: tuple[float, float, float, float], b: float, l: float) -> float:
+        return c[0] + c[1] * b + c[2] * l + c[3] * b * l
+
+    def per_rank(self, b: float, l: float, tp: int, sp: bool) -> float:
+        """Bytes one rank keeps for a local batch ``b`` of local length ``l``."""
+        return self._eval(self.sharded, b, l) / tp + self._eval(self.replicated, b, l) / (tp if sp else 1)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the planner needs to know about a model, unsharded.  ``from_module`` measures it with
+    the memory model; tests and back-of-envelope studies may write one by hand."""
+
+    params: int                     # parameter count
+    param_bytes: int                # bytes per parameter (and per gradient element)
+    optimizer_bytes: int            # optimizer state bytes per parameter (AdamW fp32: 8)
+    n_layer: int
+    d_model: int
+    act: dict[str, ActBytes]        # remat mode -> saved activations
+    flops_per_token: float          # forward FLOPs per token
+    io_bytes_per_token: float       # forward bytes moved per token
+    recompute_flops_per_token: dict[str, float]
+    state_bytes: float              # per sequence per layer: the recurrent state a cp rank passes on
+    halo_bytes: float               # per sequence per layer: the conv inputs a cp rank passes on
+    max_tp: int                     # tp beyond this leaves a rank without a head
+    act_elem_bytes: int = 2         # element size of the activations tp/sp communicate
+    recompute_io_bytes_per_token: dict[str, float] | None = None   # default: io in proportion to FLOPs
+
+    @classmethod
+    def from_module(cls, model: torch.nn.Module, example: tuple[int, int] = (2, 32),
+                    optimizer_bytes: int = 8) -> ModelCost:
+        return measure(model, example, optimizer_bytes)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a step on ``tp * cp * dp`` ranks."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    remat: str = "none"
+
+    def __str__(self) -> str:
+        return (f"tp={self.tp} cp={self.cp} dp={self.dp} sp={'on' if self.sequence_parallel else 'off'} "
+                f"remat={self.remat}")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One ranked candidate: its predicted step time and memory per rank (with the parts), whether
+    it fits and, when it does not or cannot run, why."""
+
+    layout: Layout
+    step_s: float
+    memory: float
+    feasible: bool
+    reason: str
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    weights: float = 0.0
+    activations: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost model of one layout
+# ---------------------------------------------------------------------------------------------
+
+def _ring(n: int, nbytes: float, dev: Device, factor: float) -> float:
+    """A ring collective over ``n`` ranks moving ``factor * (n-1)/n * nbytes`` per rank
+    (all-reduce: factor 2; all-gather, reduce-scatter: 1), plus one latency per step."""
+    if n <= 1:
+        return 0.0
+    steps = factor * (n - 1)
+    return steps * dev.latency_s + factor * (n - 1) / n * nbytes / dev.link_bytes_per_s
+
+
+def comm_seconds(cost: ModelCost, lay: Layout, b: float, l: float, dev: Device) -> float:
+    """Communication per step, nothing overlapped with compute (a conservative bound)."""
+    t = 0.0
+    act = b * l * cost.d_model * cost.act_elem_bytes      # one (b, l, d_model) activation
+    colls = 2 * (2 * cost.n_layer + 2)    # per block and for embedding and head: forward + backward
+    if lay.sequence_parallel:
+        t += colls * (_ring(lay.tp, act, dev, 1) + _ring(lay.tp, act, dev, 1))
+    else:
+        t += colls * _ring(lay.tp, act, dev, 2)
+    if lay.cp > 1:   # per layer, forward and backward: states and halos along a chain of cp ranks
+        hop = b * (cost.state_bytes + cost.halo_bytes) / lay.tp
+        t += 2 * cost.n_layer * (lay.cp - 1) * (dev.latency_s + hop / dev.link_bytes_per_s)
+    grads = cost.params * cost.param_bytes / lay.tp
+    return t + _ring(lay.dp * lay.cp, grads, dev, 2)
+
+
+def _recompute_io(cost: ModelCost, remat: str) -> float:
+    if cost.recompute_io_bytes_per_token is not None:
+        return cost.recompute_io_bytes_per_token[remat]
+    share = cost.recompute_flops_per_token[remat] / max(cost.flops_per_token, 1.0)
+    return share * cost.io_bytes_per_token
+
+
+def evaluate(cost: ModelCost, lay: Layout, batch: int, seqlen: int, dev: Device, memory_limit: float) -> Row:
+    """Predicted step time and memory per rank of ``lay`` (see docs/planner.md)."""
+    b, l = batch / lay.dp, seqlen / lay.cp
+    weights = cost.params * (2 * cost.param_bytes + cost.optimizer_bytes) / lay.tp
+    acts = cost.act[lay.remat].per_rank(b, l, lay.tp, lay.sequence_parallel)
+    tokens = b * l
+    flops = tokens * (3 * cost.flops_per_token + cost.recompute_flops_per_token[lay.remat]) / lay.tp
+    compute = dev.compute_seconds(flops, tokens * (3 * cost.io_bytes_per_token + _recompute_io(cost, lay.remat)) / lay.tp)
+    comm = comm_seconds(cost, lay, b, l, dev)
+    memory = weights + acts
+    reason = "" if memory <= memory_limit else f"needs {human(memory)} > {human(memory_limit)} per rank"
+    return Row(lay, compute + comm, memory, not reason, reason, compute, comm, weights, acts)
+
+
+def _why_not(cost: ModelCost, lay: Layout, batch: int, seqlen: int) -> str:
+    if batch % lay.dp:
+        return f"batch {batch} not divisible by dp={lay.dp}"
+    if seqlen % lay.cp:
+        return f"seqlen {seqlen} not divisible by cp={lay.cp}"
+    if lay.tp > cost.max_tp:
+        return f"tp={lay.tp} exceeds the {cost.max_tp} heads"
+    if lay.sequence_parallel and seqlen % (lay.tp * lay.cp):
+        return f"seqlen {seqlen} not divisible by tp*cp={lay.tp * lay.cp} (sequence parallel)"
+    return ""
+
+
+def candidates(world_size: int) -> list[Layout]:
+    """Every (tp, cp, dp) with tp*cp*dp = world_size, with and without sp (tp > 1), each remat mode."""
+    out = []
+    for tp in (d for d in range(1, world_size + 1) if world_size % d == 0):
+        rest = world_size // tp
+        for cp in (d for d in range(1, rest + 1) if rest % d == 0):
+            for sp in ((False, True) if tp > 1 else (False,)):
+                out += [Layout(tp, cp, rest // cp, sp, r) for r in REMAT_MODES]
+    return out
+
+
+def rank_layouts(cost: ModelCost, world_size: int, device_memory: float, batch: int, seqlen: int,
+                 device: Device = H200) -> list[Row]:
+    """Every candidate, feasible ones first, each group fastest first (then smallest)."""
+    if world_size < 1 or batch < 1 or seqlen < 1 or device_memory <= 0:
+        raise MambacInputError("world_size, batch, seqlen and device_memory must be positive.")
+    rows = []
+    for lay in candidates(world_size):
+        why = _why_not(cost, lay, batch, seqlen)
+        if why:
+            rows.append(Row(lay, math.inf, math.inf, False, why))
+        else:
+            rows.append(evaluate(cost, lay, batch, seqlen, device, device_memory))
+    return sorted(rows, key=lambda r: (not r.feasible, r.step_s, r.memory))
+
+
+def plan(model: torch.nn.Module | ModelCost, world_size: int = 1, device_memory: float | str | None = None,
+         batch: int = 1, seqlen: int = 2048, device: Device | str = "h200",
+         example: tuple[int, int] = (2, 32)) -> list[Row]:
+    """Rank the layouts of ``model`` (an nn.Module, measured with the memory model at ``example``,
+    or a ``ModelCost``) on ``world_size`` devices of ``device_memory`` bytes (default: the
+    device's) for a step of ``batch`` sequences of ``seqlen`` tokens; best first.  Raises a
+    ``MambacOptionsError`` naming the smallest memory any layout needs when none fits."""
+    dev = DEVICES[device.lower()] if isinstance(device, str) else device
+    limit = dev.memory if device_memory is None else parse_bytes(device_memory)
+    cost = model if isinstance(model, ModelCost) else ModelCost.from_module(model, example)
+    rows = rank_layouts(cost, world_size, limit, batch, seqlen, dev)
+    if not rows[0].feasible:
+        runnable = [r for r in rows if math.isfinite(r.memory)]
+        if not runnable:
+            raise MambacOptionsError(f"no layout of {world_size} ranks can run batch {batch} x seqlen {seqlen}: "
+                                     + "; ".join(sorted({r.reason for r in rows})))
+        best = min(runnable, key=lambda r: r.memory)
+        raise MambacOptionsError(
+            f"no layout fits {human(limit)} per device on {world_size} ranks for batch {batch} x seqlen {seqlen}; "
+            f"the smallest is {best.layout} at {human(best.memory)} per rank "
+            f"({human(best.weights)} weights, gradients and optimizer state, {human(best.activations)} activations). "
+            "Give more memory or more ranks, or a smaller batch or sequence.")
+    return rows
+
+
+def format_table(rows: Sequence[Row], limit: int | None = 10) -> str:
+    """The rows as a printable table (the first ``limit`` feasible ones; all when None)."""
+    shown = [r for r in rows if r.feasible][:limit] if limit is not None else list(rows)
+    head = f"{'#':>3}  {'tp':>3} {'cp':>3} {'dp':>3} {'sp':>3} {'remat':>5}  {'step':>10} {'compute':>10} " \
+           f"{'comm':>10}  {'memory/rank':>12}  note"
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(shown, 1):
+        lay = r.layout
+        times = (f"{_ms(r.step_s)} {_ms(r.compute_s)} {_ms(r.comm_s)}" if math.isfinite(r.step_s)
+                 else f"{'-':>10} {'-':>10} {'-':>10}")
+        mem = human(r.memory) if math.isfinite(r.memory) else "-"
+        lines.append(f"{i:>3}  {lay.tp:>3} {lay.cp:>3} {lay.dp:>3} {'on' if lay.sequence_parallel else 'off':>3} "
+                     f"{lay.remat:>5}  {times}  {mem:>12}  {r.reason or 'fits'}")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:>8.3f}ms"
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: float | str) -> float:
+    """80e9, "80GB", "80 GiB", "512MiB" -> bytes."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise MambacInputError(f"cannot read {value!r} as a size: write e.g. 80GiB, 141GB or 8e10.")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring a model with the memory model
+# ---------------------------------------------------------------------------------------------
+
+def _coefficients(formula, nbytes: int, tokens: int) -> tuple[float, float, float, float]:
+    """(a, b, c, d) of ``a + b*B + c*L + d*B*L``; without a formula, all of ``nbytes`` per token."""
+    if formula is None:
+        return (0.0, 0.0, 0.0, nbytes / tokens)
+    poly = sympy.Poly(sympy.expand(formula), SYM_B, SYM_L)
+    return tuple(float(poly.coeff_monomial(m)) for m in (1, SYM_B, SYM_L, SYM_B * SYM_L))
+
+
+def _act_bytes(mem, storages, d_model: int, tokens: int) -> ActBytes:
+    """Split ``storages`` into replicated (at most d_model fp32 elements per token: the residual
+    stream and what norms save) and tp-sharded, and sum their formulas."""
+    parts = {True: [0.0] * 4, False: [0.0] * 4}
+    for s in storages:
+        coef = _coefficients(mem.formula(s.key), s.nbytes, tokens)
+        per_token = coef[3] if coef[3] else s.nbytes / tokens
+        acc = parts[per_token <= 4 * d_model]
+        for i, c in enumerate(coef):
+            acc[i] += c
+    return ActBytes(sharded=tuple(parts[False]), replicated=tuple(parts[True]))
+
+
+def _mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "d_inner") and hasattr(m, "in_proj")]
+
+
+def _state_and_halo(model: torch.nn.Module) -> tuple[float, float, int]:
+    """Per sequence per layer: fp32 recurrent state bytes and bf16 conv halo bytes; and the head
+    count (the largest useful tp)."""
+    mixers = _mixers(model)
+    if not mixers:
+        return 0.0, 0.0, 1 << 30
+    m = mixers[0]
+    d_state = getattr(m, "d_state", None) or getattr(getattr(m, "A_log", None), "shape", (0, 16))[-1]
+    conv = getattr(m, "conv1d", None)
+    halo = (conv.kernel_size[0] - 1) * conv.in_channels * 2 if conv is not None else 0
+    heads = getattr(m, "nheads", None) or m.d_inner
+    return float(m.d_inner * d_state * 4), float(halo), int(heads)
+
+
+def _d_model(model: torch.nn.Module) -> int:
+    d = getattr(getattr(model, "config", None), "d_model", None)
+    if d is None:
+        emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+        if emb is None:
+            raise MambacInputError(f"cannot tell the model width of {type(model).__name__}: give it a "
+                                   "config.d_model or an nn.Embedding, or pass a ModelCost.")
+        d = emb.embedding_dim
+    return int(d)
+
+
+def _training_inputs(model: torch.nn.Module, example: tuple[int, int]) -> tuple:
+    """The model's example inputs, plus labels (the ids) when its forward takes ``labels`` and
+    they are missing: a training step computes the loss inside the model."""
+    from mambac.cli import _example_inputs
+    inputs = tuple(_example_inputs(model, *example))
+    names = list(inspect.signature(model.forward).parameters)
+    if "labels" in names and len(inputs) == names.index("labels"):
+        inputs += (inputs[0].clone(),)
+    return inputs
+
+
+def measure(model: torch.nn.Module, example: tuple[int, int] = (2, 32), optimizer_bytes: int = 8) -> ModelCost:
+    """A ``ModelCost`` from the memory model of ``model``'s single-device program lowered at
+    ``example`` = (B, L): saved bytes (as formulas in B and L) without remat and with every block
+    recomputed, FLOPs and bytes moved per token, plus parameter counts and the state sizes."""
+    from mambac.convert import prepare_model
+    from mambac.lowering import bind_inputs, lower
+    from mambac.memory import analyse
+    from mambac.options import CompileOptions
+    from mambac.passes.plan_remat import choose_full
+
+    model = prepare_model(model)
+    values = bind_inputs(model, _training_inputs(model, example), {})
+    gm = lower(model, values, CompileOptions.create()).gm
+    mem, tokens, d_model = analyse(gm), example[0] * example[1], _d_model(model)
+    full = choose_full(gm)
+    recomputed = [n for r in full for n in r.nodes]
+    state, halo, heads = _state_and_halo(model)
+    params = list(model.parameters())
+    n_layer = getattr(getattr(model, "config", None), "n_layer", None) or max(len(_mixers(model)), 1)
+    return ModelCost(
+        params=sum(p.numel() for p in params), param_bytes=params[0].element_size() if params else 4,
+        optimizer_bytes=optimizer_bytes, n_layer=int(n_layer), d_model=d_model,
+        act={"none": _act_bytes(mem, mem.kept(), d_model, tokens),
+             "full": _act_bytes(mem, mem.kept(full), d_model, tokens)},
+        flops_per_token=mem.flops(mem.order) / tokens,
+        io_bytes_per_token=sum(c.io_bytes for c in mem.run.costs.values()) / tokens,
+        recompute_flops_per_token={"none": 0.0, "full": mem.flops(recomputed) / tokens},
+        recompute_io_bytes_per_token={"none": 0.0, "full": sum(mem.run.costs[n].io_bytes for n in recomputed
+                                                               if n in mem.run.costs) / tokens},
+        state_bytes=state, halo_bytes=halo, max_tp=heads)
+
+
+def with_device(device: Device, **changes: float) -> Device:
+    """A copy of ``device`` with some parameters changed (e.g. ``link_bytes_per_s``)."""
+    return replace(device, **changes)
+
+
+__all__ = ["CPU", "H200", "ActBytes", "Device", "Layout", "ModelCost", "Row", "candidates", "evaluate",
+           "format_table", "parse_bytes", "plan", "rank_layouts", "measure", "with_device"]

@@ -1,0 +1,217 @@
+"""Context-parallel forms of the sequence ops: the sequence dimension split over ``world`` ranks.
+
+Rank r holds tokens ``[split_start(L, world, r), ...)`` of every sequence (``split_sizes``: the
+first ranks take one more when ``world`` does not divide ``L``).  Per-token ops need nothing; the
+ops that look back along the sequence need what the earlier ranks saw:
+
+- ``cp_causal_conv1d``: a halo.  Every rank publishes the last ``width - 1`` inputs it holds; rank
+  r's conv starts from the last ``width - 1`` inputs of ranks ``0..r-1`` (zeros on rank 0) through
+  the op's ``initial_state``.  Ranks shorter than the halo are handled (the halo then spans ranks).
+- ``cp_ssd`` / ``cp_selective_scan`` / ``cp_mamba3_siso`` / ``cp_mamba3_mimo``: state passing.
+  Each rank scans its piece from a zero state, giving its final state S_j and the total log-decay
+  of its piece (fp32).  One all-gather of these summaries (size independent of L) and a local
+  exclusive prefix combine
+  ``S_in(r) = sum_{j<r} exp(ld_{j+1} + ... + ld_{r-1}) S_j`` give rank r its incoming state; a
+  second scan of the piece from ``S_in`` gives the output.  The second pass doubles the scan's
+  compute per rank, and is exact by construction (it is the op itself, with its initial state).
+  Mamba-3 carries angle, ssm state, last key and last value: ``_mamba3_incoming`` composes them
+  (angles add, keys and states rotate by the incoming angle, the pair before a piece's first step
+  enters its state with weight (1 - lam_0) dt_0).
+
+Every exchange is ``mambac.all_gather_rs``: gather forward, reduce-scatter backward, which is the
+right gradient when each rank uses the gathered pieces differently (the gradient for rank j's
+piece is the sum of what every rank's use of it contributed), so autograd runs backward through
+the same exchange in reverse.  Each form returns what its op returns, for this rank's piece:
+the output and this rank's final state (the last rank's is the whole sequence's final state).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import mambac.ops  # noqa: F401  (registers torch.ops.mambac scan ops)
+from mambac.errors import MambacInputError
+from mambac.runtime.collectives import split_sizes, split_start
+
+
+def local_piece(t: Tensor, dim: int, rank: int, world: int) -> Tensor:
+    """This rank's piece of the full sequence ``t`` along ``dim`` (uneven split allowed)."""
+    n = t.shape[dim]
+    if n < world:
+        raise MambacInputError(f"context parallelism over {world} ranks needs a sequence of at least {world} "
+                               f"tokens, got {n}.")
+    return t.narrow(dim, split_start(n, world, rank), split_sizes(n, world)[rank])
+
+
+def exchange(summary: Tensor, rank: int, world: int, group: str) -> Tensor:
+    """Every rank's ``summary`` stacked along a new first dim (same shape on every rank)."""
+    return torch.ops.mambac.all_gather_rs(summary.unsqueeze(0).contiguous(), 0, world, rank, world, group)
+
+
+def anchored(result: Tensor, gathered: Tensor) -> Tensor:
+    """``result`` made to depend on ``gathered`` even where it reads none of it (rank 0).
+
+    Every rank must run the exchange's backward reduce-scatter, or the ranks' collectives stop
+    matching; adding an empty sum keeps the exchange in every rank's autograd graph for free."""
+    return result + gathered.narrow(0, 0, 0).sum().to(result.dtype)
+
+
+def _state_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def incoming_state(states: Tensor, log_decays: Tensor, rank: int) -> Tensor:
+    """Exclusive prefix combine of per-rank (final state from zero, total log-decay) pairs.
+
+    ``states`` (W, *S), ``log_decays`` (W, *D) with D broadcastable to S after trailing unsqueezes."""
+    acc = torch.zeros_like(states[0])
+    for j in range(rank):
+        ld = log_decays[j]
+        while ld.dim() < acc.dim():
+            ld = ld.unsqueeze(-1)
+        acc = acc * torch.exp(ld) + states[j]
+    return acc
+
+
+# ---- causal conv: halo exchange ----------------------------------------------------------------
+
+def _tail(x: Tensor, width: int) -> Tensor:
+    """The last ``width`` steps of ``x`` (b, d, l), left-padded with zeros when l < width."""
+    if x.shape[-1] >= width:
+        return x[..., x.shape[-1] - width:]
+    return torch.cat([x.new_zeros(*x.shape[:-1], width - x.shape[-1]), x], dim=-1)
+
+
+def conv_halo(x: Tensor, width: int, full_len: int, rank: int, world: int, group: str) -> Tensor:
+    """The ``width`` inputs before this rank's piece (zeros before the sequence start)."""
+    tails = exchange(_tail(x, width), rank, world, group)                     # (W, b, d, width)
+    sizes = split_sizes(full_len, world)
+    pieces = [x.new_zeros(*x.shape[:-1], width)]
+    pieces += [tails[j][..., width - min(sizes[j], width):] for j in range(rank)]
+    return anchored(_tail(torch.cat(pieces, dim=-1), width), tails)
+
+
+def cp_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, full_len: int,
+                     rank: int, world: int, group: str) -> tuple[Tensor, Tensor]:
+    """Causal depthwise conv of this rank's piece ``x`` (b, d, l_r) of a length-``full_len`` sequence."""
+    halo = conv_halo(x, weight.shape[1] - 1, full_len, rank, world, group)
+    return torch.ops.mambac.causal_conv1d(x, weight, bias, halo.contiguous(), activation)
+
+
+# ---- SSD (Mamba-2): state passing ---------------------------------------------------------------
+
+def cp_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+           dt_bias: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float,
+           rank: int, world: int, group: str) -> tuple[Tensor, Tensor]:
+    """SSD of this rank's piece (x (b, l_r, h, p)); the incoming state comes from the earlier ranks."""
+    from mambac.ops.ssd import process_dt
+    ct = _state_dtype(x)
+    _, local = torch.ops.mambac.ssd(x, dt, A, B, C, None, None, dt_bias, None, chunk_size, dt_softplus,
+                                    dt_min, dt_max)
+    log_decay = process_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, ct).sum(1) * A.to(ct)   # (b, h)
+    gathered = exchange(_pack(local.to(ct), log_decay), rank, world, group)
+    states, decays = _unpack(gathered, (local, log_decay))
+    s_in = anchored(incoming_state(states, decays, rank), gathered)
+    return torch.ops.mambac.ssd(x, dt, A, B, C, D, z, dt_bias, s_in, chunk_size, dt_softplus, dt_min, dt_max)
+
+
+# ---- selective scan (Mamba-1): state passing ----------------------------------------------------
+
+def cp_selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                      z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
+                      rank: int, world: int, group: str) -> tuple[Tensor, Tensor]:
+    """Selective scan of this rank's piece (u (b, d, l_r)); incoming state from the earlier ranks."""
+    ct = _state_dtype(u)
+    _, local = torch.ops.mambac.selective_scan(u, delta, A, B, C, None, None, delta_bias, None, delta_softplus)
+    dl = delta.to(ct)
+    if delta_bias is not None:
+        dl = dl + delta_bias.to(ct).unsqueeze(-1)
+    if delta_softplus:
+        dl = torch.nn.functional.softplus(dl)
+    log_decay = dl.sum(-1).unsqueeze(-1) * A.to(ct)                                       # (b, d, n)
+    gathered = exchange(_pack(local.to(ct), log_decay), rank, world, group)
+    states, decays = _unpack(gathered, (local, log_decay))
+    s_in = anchored(incoming_state(states, decays, rank), gathered)
+    return torch.ops.mambac.selective_scan(u, delta, A, B, C, D, z, delta_bias, s_in, delta_softplus)
+
+
+# ---- Mamba-3: angle, ssm, last key and last value -------------------------------------------------
+
+def _pack(*parts: Tensor) -> Tensor:
+    """One (b, total) tensor from per-batch summaries, so one collective carries them all."""
+    return torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
+
+
+def _unpack(packed: Tensor, likes: tuple[Tensor, ...]) -> list[Tensor]:
+    """Inverse of ``_pack`` for a gathered (W, b, total) tensor: (W, *like.shape) per part."""
+    sizes = [t[0].numel() for t in likes]
+    return [piece.reshape(packed.shape[0], *t.shape) for piece, t in zip(packed.split(sizes, dim=-1), likes)]
+
+
+def _wrap(angle: Tensor) -> Tensor:
+    two_pi = 2.0 * torch.pi
+    return angle - two_pi * torch.floor(angle / two_pi)
+
+
+def _mamba3_incoming(gathered: list[Tensor], rank: int, rotate, mimo_x: Optional[Tensor]) -> tuple:
+    """Rank ``rank``'s incoming (angle, ssm, k, v) from every rank's zero-start summaries.
+
+    A piece started from (phi, h0, k0, v0) ends in angle phi + theta, keys rotated by phi, and
+    ssm exp(ld) * (h0 + c * sum_r outer(v0_r, k0_r)) + S0 rotated by phi along n, where c =
+    (1 - lam_0) dt_0 is the weight the piece's first step gives the pair preceding it."""
+    thetas, ssms, keys, values, lds, cs = gathered
+    phi, acc = torch.zeros_like(thetas[0]), torch.zeros_like(ssms[0])
+    k_prev, v_prev = torch.zeros_like(keys[0]), torch.zeros_like(values[0])
+    for j in range(rank):
+        cos, sin = phi.cos(), phi.sin()
+        if mimo_x is None:
+            pair = torch.einsum("bhp,bhn->bhpn", v_prev, k_prev)
+        else:
+            pair = torch.einsum("bhp,hrp,brhn->bhpn", v_prev, mimo_x.to(v_prev.dtype), k_prev)
+        boundary = acc + cs[j][..., None, None] * pair
+        acc = torch.exp(lds[j])[..., None, None] * boundary + rotate(ssms[j], cos.unsqueeze(2), sin.unsqueeze(2))
+        k_cos, k_sin = (cos, sin) if mimo_x is None else (cos.unsqueeze(1), sin.unsqueeze(1))
+        k_prev, v_prev = rotate(keys[j], k_cos, k_sin), values[j]
+        phi = _wrap(phi + thetas[j])
+    return phi, acc, k_prev, v_prev
+
+
+def _mamba3_summaries(first: tuple, dt: Tensor, adt: Tensor, trap: Tensor) -> tuple[Tensor, ...]:
+    """(theta, S0, k, v, total log-decay, first-step boundary weight) of a zero-start pass."""
+    _, theta, ssm, k, v = first
+    ct = ssm.dtype
+    c = (1 - torch.sigmoid(trap[:, 0].to(ct))) * dt[:, 0].to(ct)
+    return theta, ssm, k, v, adt.to(ct).sum(1), c
+
+
+def cp_mamba3_siso(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, adt: Tensor, trap: Tensor, angles: Tensor,
+                   B_bias: Optional[Tensor], C_bias: Optional[Tensor], D: Optional[Tensor], z: Optional[Tensor],
+                   chunk_size: int, rank: int, world: int, group: str) -> tuple[Tensor, ...]:
+    """Mamba-3 SISO scan of this rank's piece (x (b, l_r, h, p)), all four carried parts passed."""
+    from mambac.ops.mamba3_siso import rotate_adjacent
+    first = torch.ops.mambac.mamba3_siso(x, B, C, dt, adt, trap, angles, B_bias, C_bias, None, None,
+                                         None, None, None, None, chunk_size)
+    parts = _mamba3_summaries(first, dt, adt, trap)
+    packed = exchange(_pack(*parts), rank, world, group)
+    phi, ssm, k, v = _mamba3_incoming(_unpack(packed, parts), rank, rotate_adjacent, None)
+    ssm = anchored(ssm, packed)
+    return torch.ops.mambac.mamba3_siso(x, B, C, dt, adt, trap, angles, B_bias, C_bias, D, z, phi, ssm, k, v,
+                                        chunk_size)
+
+
+def cp_mamba3_mimo(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, adt: Tensor, trap: Tensor, angles: Tensor,
+                   B_bias: Optional[Tensor], C_bias: Optional[Tensor], mimo_x: Tensor, mimo_z: Optional[Tensor],
+                   mimo_o: Optional[Tensor], D: Optional[Tensor], z: Optional[Tensor], chunk_size: int,
+                   rank: int, world: int, group: str) -> tuple[Tensor, ...]:
+    """Mamba-3 MIMO scan of this rank's piece, all four carried parts passed."""
+    from mambac.ops.mamba3_siso import rotate_halves
+    first = torch.ops.mambac.mamba3_mimo(x, B, C, dt, adt, trap, angles, B_bias, C_bias, mimo_x, None, None,
+                                         None, None, None, None, None, None, chunk_size)
+    parts = _mamba3_summaries(first, dt, adt, trap)
+    packed = exchange(_pack(*parts), rank, world, group)
+    phi, ssm, k, v = _mamba3_incoming(_unpack(packed, parts), rank, rotate_halves, mimo_x)
+    ssm = anchored(ssm, packed)
+    return torch.ops.mambac.mamba3_mimo(x, B, C, dt, adt, trap, angles, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
+                                        D, z, phi, ssm, k, v, chunk_size)

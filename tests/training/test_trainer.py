@@ -1,0 +1,153 @@
+"""The trainer loses nothing: resume (same layout, tp=2 -> one process), a checkpoint write killed
+half way, a rank killed under ``mambac run --max-restarts``, and bad batches / non-finite steps."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mambac
+from mambac.errors import MambacInputError, MambacRuntimeError
+from mambac.runtime.launcher import launch
+from mambac.trainer import SyntheticTokens, Trainer, latest_checkpoint
+from tests.models.tiny import tiny_lm
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "scripts" / "train.py"
+DATA = SyntheticTokens(vocab=37, batch=4, seqlen=8)
+STEPS = 5
+
+
+def make_trainer() -> Trainer:
+    """The same model and settings as the launched script, on one process."""
+    from tests.training.scripts.train import make_trainer as build
+    return build(1, 1)
+
+
+def run_steps(trainer: Trainer, last: int) -> dict[int, float]:
+    out = {}
+    while trainer.step_count < last:
+        step = trainer.step_count + 1
+        out[step] = trainer.step(*DATA.batch_at(step))
+    return out
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """One process, STEPS steps, a checkpoint after each."""
+    root = tmp_path_factory.mktemp("single")
+    trainer, losses = make_trainer(), {}
+    while trainer.step_count < STEPS:
+        losses.update(run_steps(trainer, trainer.step_count + 1))
+        trainer.save(str(root))
+    return root, losses
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory) -> tuple[int, Path, Path]:
+    """tp=2 under torchrun with one restart; rank 1 SIGKILLs itself at step 4 of the first attempt."""
+    tmp = tmp_path_factory.mktemp("restart")
+    root, log = tmp / "ck", tmp / "log"
+    rc = launch(2, str(SCRIPT), [str(root), str(log), "--steps", str(STEPS), "--tp", "2", "--kill-rank", "1",
+                                 "--kill-step", "4"], timeout=170, max_restarts=1)
+    return rc, root, log
+
+
+def test_same_layout_resume_continues_the_same_losses(single):
+    root, losses = single
+    trainer = make_trainer()
+    assert trainer.load(str(root / "step_2")) == 2
+    resumed = run_steps(trainer, STEPS)
+    assert all(rel(resumed[s], losses[s]) <= 1e-6 for s in range(3, STEPS + 1)), (resumed, losses)
+
+
+def test_a_killed_checkpoint_write_keeps_the_last_good_one(single, tmp_path):
+    env = dict(os.environ, MAMBAC_TEST_KILL_AT="after_write:3", OMP_NUM_THREADS="1")
+    root, log = tmp_path / "ck", tmp_path / "log"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(root), str(log), "--steps", "4"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert (root / "step_3.tmp").is_dir() and not (root / "step_3").exists()
+    assert latest_checkpoint(str(root)) == str(root / "step_2")
+    assert [r["step"] for r in read_log(log)] == [1, 2]
+    trainer = make_trainer()
+    assert trainer.load(str(root)) == 2
+    resumed = run_steps(trainer, 4)
+    assert rel(resumed[3], single[1][3]) <= 1e-6 and rel(resumed[4], single[1][4]) <= 1e-6
+
+
+def test_a_killed_rank_restarts_with_no_lost_or_repeated_step(restarted, single):
+    rc, root, log = restarted
+    assert rc == 0
+    rows = read_log(log)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # tp=2 and one process differ only by the order of floating-point sums
+    assert all(rel(r["loss"], single[1][r["step"]]) <= 1e-5 for r in rows)
+
+
+def test_a_tp2_checkpoint_resumes_on_one_process(restarted):
+    rc, root, log = restarted
+    logged = {r["step"]: r["loss"] for r in read_log(log)}
+    trainer = make_trainer()
+    assert trainer.load(str(root / "step_3")) == 3
+    resumed = run_steps(trainer, STEPS)
+    assert all(rel(resumed[s], logged[s]) <= 1e-6 for s in (4, 5)), (resumed, logged)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Trainer:
+    model = tiny_lm("mamba2", n_layer=1)
+    return Trainer(mambac.compile(model), accum=2)
+
+
+@pytest.mark.parametrize("ids, labels, match", [
+    (torch.full((4, 8), 37), torch.zeros(4, 8, dtype=torch.long), r"token ids must lie in \[0, 37\).*37\.\.37"),
+    (torch.full((4, 8), -1), torch.zeros(4, 8, dtype=torch.long), r"-1\.\.-1"),
+    (torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.long), "integer token ids"),
+    (torch.zeros(4, 8, 2, dtype=torch.long), torch.zeros(4, 8, 2, dtype=torch.long), r"\(batch, seqlen\)"),
+    (torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 7, dtype=torch.long), "differ in shape"),
+    (torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long), "accum=2.*multiple of 2"),
+])
+def test_bad_batches_are_refused_before_anything_runs(plain, ids, labels, match):
+    before = [p.detach().clone() for p in plain.params.values()]
+    with pytest.raises(MambacInputError, match=match):
+        plain.step(ids, labels)
+    assert plain.step_count == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, plain.params.values()))
+
+
+def test_non_finite_gradients_stop_or_skip(plain):
+    name, weight = next(iter(plain.params.items()))
+    hook = weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    try:
+        before = [p.detach().clone() for p in plain.params.values()]
+        with pytest.raises(MambacRuntimeError, match=f"step 1: non-finite gradient of '{name}'"):
+            plain.step(*DATA.batch_at(1))
+        plain.on_nonfinite = "skip"
+        plain.step(*DATA.batch_at(2))
+        assert plain.skipped == 1
+        assert all(torch.equal(a, p) for a, p in zip(before, plain.params.values()))
+    finally:
+        hook.remove()
+        plain.on_nonfinite = "raise"
+    plain.step(*DATA.batch_at(3))
+    assert not torch.equal(before[0], weight)
+
+
+def test_mambac_run_takes_max_restarts():
+    from mambac.cli import build_parser
+    args = build_parser().parse_args(["run", "-n", "2", "--max-restarts", "3", "train.py", "x"])
+    assert (args.nprocs, args.max_restarts, args.script, args.args) == (2, 3, "train.py", ["x"])
