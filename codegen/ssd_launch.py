@@ -110,8 +110,8 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
 # (heads, block_m, block_k, num_warps, num_stages); chosen from sm_90 resource reports of the
 # generated code (registers, no or little spilling at headdim 64 / dstate 128)
 # measured on an H200 (NOTES_ssd.md): 8-warp head blocks were 2x slower in the chunk scan
-_HEAD_BLOCK_TILES = ((1, 64, 64, 4, 2), (1, 128, 64, 8, 2), (2, 64, 64, 4, 2), (1, 64, 64, 4, 3))
-_DX_TILES = ((2, 64, 32, 8, 3), (1, 64, 64, 8, 2), (1, 64, 64, 4, 3))
+_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 64, 64, 4, 2), (2, 64, 64, 4, 3), (1, 64, 64, 4, 3))
+_DX_TILES = ((1, 64, 64, 4, 3), (1, 64, 64, 4, 2), (1, 64, 32, 4, 3), (2, 64, 32, 8, 3))
 
 
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
@@ -166,8 +166,10 @@ def group_candidates(d: Dims) -> list[TileConfig]:
         return [TileConfig(block_m=32, block_k=16, splits=splits,
                            heads=2 if (d.hpg // splits) % 2 == 0 else 1, num_warps=1)]
     # splits only changes the launch grid; heads (the head-loop unroll) changes the source
-    return [TileConfig(block_m=64, block_k=32, heads=u, splits=s, num_warps=8, num_stages=2)
-            for u in (1, 2) for s in _divisors(d.hpg, (1, 2, 4, 8)) if (d.hpg // s) % u == 0]
+    tiles = ((64, 32, 2, 8), (64, 32, 2, 4), (64, 32, 1, 4), (32, 32, 2, 4))
+    return [TileConfig(block_m=bm, block_k=bs, heads=u, splits=s, num_warps=w, num_stages=2)
+            for bm, bs, u, w in tiles for s in _divisors(d.hpg, (1, 2, 4, 8))
+            if (d.hpg // s) % u == 0]
 
 
 def single_candidate(d: Dims) -> list[TileConfig]:

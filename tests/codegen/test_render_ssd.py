@@ -109,11 +109,15 @@ def test_backward_sources_in_order():
     dc = render_bwd_tiles.render_dbc(region(), "c")
     assert_in_order(dc, "for hh in range(hbase, hbase + hps):", "tl.store(es_ptr",
                     "for k0 in range(0, pid_m * BT + BT, BS):", "wsum = tl.zeros",
-                    "for hh in range(", "gm = tl.dot(dy_t, tl.trans(x_s))", "wsum += wj",
+                    "for h0 in range(hbase, hbase + hps, 1):", "gm = tl.dot(dy_t, tl.trans(x_s))",
+                    "wsum += wj",
                     "tl.store(pair_ptr", "acc = tl.dot(wsum.to(tl.bfloat16), b_p, acc)", "tl.store(out")
     db = render_bwd_tiles.render_dbc(region(), "b")
     assert_in_order(db, "tl.store(v_ptr", "for k0 in range(pid_m * BT, 64, BS):",
                     "gm = tl.dot(x_s, tl.trans(dy_t))", "acc = tl.dot(wsum.to(tl.bfloat16), c_p, acc)")
+    unrolled = render_bwd_tiles.render_dbc(region(), "b", 2)
+    assert_in_order(unrolled, "for h0 in range(hbase, hbase + hps, 2):", "(h0 + 0) * sxh",
+                    "wsum += wj", "(h0 + 1) * sxh", "wsum += wj", "acc = tl.dot(")
     sp = render_bwd.render_state_pass_bwd(region())
     assert_in_order(sp, "for cc in range(0, NC):", "tl.store(dsout_ptr", "tl.store(dtot_ptr",
                     "ds = ds * dec", "tl.store(dinit_ptr")
