@@ -188,9 +188,11 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
     dC, *c_side = run_dbc(pr, "c", dyv, saved, saved.sin)
     dB, *b_side = run_dbc(pr, "b", dyv, saved, dsout)
     ddt, da, dbias = run_dt_backward(pr, saved, ddtd, tuple(c_side), tuple(b_side), dtot)
-    return (dx, ddt.to(dt.dtype), da.view(d.b, d.h, d.nc).sum((0, 2)).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-            None if D is None else dd.sum((0, 1, 2)).to(D.dtype), None if z is None else dz.to(z.dtype),
-            None if dt_bias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2)).to(dt_bias.dtype),
+    dA = da.view(d.b, d.h, d.nc).sum((0, 2)).to(A.dtype)
+    dD = None if D is None else dd.sum((0, 1, 2)).to(D.dtype)
+    dbias = None if dt_bias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2)).to(dt_bias.dtype)
+    return (dx, ddt.to(dt.dtype), dA, dB.to(B.dtype), dC.to(C.dtype), dD,
+            None if z is None else dz.to(z.dtype), dbias,
             None if initial_state is None else dinit.to(initial_state.dtype))
 
 
@@ -219,6 +221,7 @@ class _SSDFunction(torch.autograd.Function):
 
 def ssd_forward_saved(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus,
                       dt_min, dt_max):
+    """Forward that also returns the intermediates ``ssd_backward`` can reuse."""
     pr = prepare(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max)
     return forward_prepared(pr)
 

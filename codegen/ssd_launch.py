@@ -107,11 +107,11 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
     return [o for o in options if n % o == 0]
 
 
-# (heads, block_m, block_k, num_warps, num_stages); chosen from sm_90 resource reports of the
-# generated code (registers, no or little spilling at headdim 64 / dstate 128)
-# measured on an H200 (NOTES_ssd.md): 8-warp head blocks were 2x slower in the chunk scan
-_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 64, 64, 4, 2), (2, 64, 64, 4, 3), (1, 64, 64, 4, 3))
-_DX_TILES = ((1, 64, 64, 4, 3), (1, 64, 64, 4, 2), (1, 64, 32, 4, 3), (2, 64, 32, 8, 3))
+# (heads, block_m, block_k, num_warps, num_stages): the fastest tiles measured on an H200 at
+# headdim 64 / dstate 128 (benchmarks/NOTES_ssd.md), best first; 8-warp tiles and 3-stage head
+# blocks were 1.5-2x slower there and are not tried
+_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 64, 64, 4, 3), (1, 64, 64, 4, 2))
+_DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3))
 
 
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
@@ -166,7 +166,7 @@ def group_candidates(d: Dims) -> list[TileConfig]:
         return [TileConfig(block_m=32, block_k=16, splits=splits,
                            heads=2 if (d.hpg // splits) % 2 == 0 else 1, num_warps=1)]
     # splits only changes the launch grid; heads (the head-loop unroll) changes the source
-    tiles = ((64, 32, 2, 8), (64, 32, 2, 4), (64, 32, 1, 4), (32, 32, 2, 4))
+    tiles = ((64, 32, 2, 4), (64, 32, 1, 4))  # (block_m, block_k, unroll, warps); see NOTES_ssd.md
     return [TileConfig(block_m=bm, block_k=bs, heads=u, splits=s, num_warps=w, num_stages=2)
             for bm, bs, u, w in tiles for s in _divisors(d.hpg, (1, 2, 4, 8))
             if (d.hpg // s) % u == 0]

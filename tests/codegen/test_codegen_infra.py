@@ -113,3 +113,17 @@ def test_register_cuda_kernels_is_idempotent():
                                     torch.randn(1, 5, 1, 3), torch.randn(1, 5, 1, 3), None, None,
                                     None, None, 4, False, 0.0, float("inf"))
     assert y.shape == x.shape and final.shape == (1, 2, 4, 3)  # CPU still runs the reference
+
+
+@pytest.mark.parametrize("h,g,p,n", [(48, 1, 64, 128), (64, 8, 64, 128), (6, 3, 48, 96), (5, 5, 256, 64)])
+def test_gpu_tile_candidates_fit_the_shape(monkeypatch, h, g, p, n):
+    """Every GPU candidate divides the heads it unrolls or splits, and tiles are tl.dot-sized."""
+    from mambac.codegen import ssd_launch as sl
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    d = sl.Dims(b=2, l=1000, h=h, g=g, p=p, n=n, q=256)
+    for cands in (sl.head_block_candidates(d), sl.dx_candidates(d), sl.group_candidates(d),
+                  sl.chunk_state_candidates(d), sl.dstate_candidates(d)):
+        assert cands
+        for c in cands:
+            assert d.hpg % c.splits == 0 and (d.hpg // c.splits) % c.heads == 0
+            assert c.block_m >= 16 and c.block_k >= 16
