@@ -16,7 +16,7 @@ Commands (default: check time parts):
   parts       time of each generated kernel alone at S1
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
-Checks run with the first tile candidate (no autotune).  Writes ``bench_ssd.json`` to $OUT.
+Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
 """
 from __future__ import annotations
 
