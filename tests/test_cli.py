@@ -73,11 +73,13 @@ def test_dump_checkpoint_directory(tmp_path, capsys):
 
 def test_run_launches_ranks(tmp_path):
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    script.write_text("import os, sys\n"
+                      "r, w = os.environ['RANK'], os.environ['WORLD_SIZE']\n"
+                      f"open(os.path.join({str(tmp_path)!r}, 'rank' + r), 'w').write(r + ' of ' + w)\n")
     r = subprocess.run([sys.executable, "-m", "mambac.cli", "run", "-n", "2", "--timeout", "120", str(script)],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
-    assert "rank 0 of 2" in r.stdout and "rank 1 of 2" in r.stdout
+    assert (tmp_path / "rank0").read_text() == "0 of 2" and (tmp_path / "rank1").read_text() == "1 of 2"
 
 
 def test_explain_reports_parameters_communication_kernels_and_memory(capsys):
