@@ -15,12 +15,13 @@ from mambac.memory import explain_memory, human
 from mambac.ops._common import info_for_target
 
 # Bytes each collective moves per call, forward and backward, as a function of (input, output)
-# bytes: an all-reduce in forward is an identity in backward and the reverse for grad_all_reduce;
-# a gather in forward is a reduce-scatter of the gradient in backward, and so on.
+# bytes, following the autograd rules in runtime/collectives.py: all_reduce's backward is an
+# identity and grad_all_reduce's forward is; all_gather's backward is a local slice, all_gather_rs's
+# a reduce-scatter; reduce_scatter's and shard_slice's backward gather the gradient.
 _PAYLOAD = {
     "all_reduce": (lambda i, o: i, lambda i, o: 0),
     "grad_all_reduce": (lambda i, o: 0, lambda i, o: i),
-    "all_gather": (lambda i, o: o, lambda i, o: o),
+    "all_gather": (lambda i, o: o, lambda i, o: 0),
     "all_gather_rs": (lambda i, o: o, lambda i, o: o),
     "reduce_scatter": (lambda i, o: i, lambda i, o: i),
     "shard_slice": (lambda i, o: 0, lambda i, o: i),
