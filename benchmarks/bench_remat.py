@@ -4,13 +4,17 @@ the Mamba-2 130M LM at batch 8 x 2048 under bf16 autocast, with remat none, full
 
     python benchmarks/bench_remat.py                 # CUDA: mamba2-130m, 8 x 2048, bf16 autocast
     python benchmarks/bench_remat.py --budget-gib 4  # another budget for 'auto'
+    python benchmarks/bench_remat.py --fit-peak      # 'auto' budget = 8 GiB minus what 'none' needs besides
+                                                     # saved activations, so the peak itself aims at 8 GiB
     python benchmarks/bench_remat.py --tiny          # CPU: a tiny model and batch (checks the script)
 
 One row per mode: the budget, the saved-for-backward bytes mambac.memory predicts, the same bytes
 measured with saved-tensor hooks on a real step, the peak device memory of a training step
 (CUDA only: torch.cuda.max_memory_allocated, weights and gradients included) and tokens per
-second of forward + backward (mean over the timed steps).  With --tiny the budget defaults to 60%
-of what 'none' keeps, so that 'auto' has something to do at that size.
+second of forward + backward (mean over the timed steps) and its ratio to remat='none'.  The last
+line checks the issue's goal for 'auto': peak <= budget at >= 0.8x the tokens/s of 'none'.  With
+--tiny the budget defaults to 60% of what 'none' keeps, so that 'auto' has something to do at that
+size (CPU: no peak figure).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class Row:
     measured: int | None = None
     peak: int | None = None
     tokens_per_s: float | None = None
+    ratio: float | None = None       # tokens/s over remat='none''s
     error: str = ""
 
 
@@ -49,6 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per mode")
     p.add_argument("--modes", default="none,full,auto")
+    p.add_argument("--fit-peak", action="store_true",
+                   help="CUDA: give 'auto' the budget minus what 'none' needs besides its saved activations "
+                        "(its peak minus its measured saved bytes: weights, gradients, transients)")
     args = p.parse_args(argv)
     tiny = dict(preset="mamba2-tiny", batch=2, seqlen=32, steps=1, warmup=0)
     full = dict(preset="mamba2-130m", batch=8, seqlen=2048, steps=5, warmup=2)
@@ -115,13 +123,25 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
 def _fmt(row: Row) -> list[str]:
     size = lambda v: "-" if v is None else human(v)  # noqa: E731
     if row.error:
-        return [row.mode, size(row.budget), "error: " + row.error, "", "", ""]
+        return [row.mode, size(row.budget), "error: " + row.error, "", "", "", ""]
     return [row.mode, size(row.budget), size(row.predicted), size(row.measured), size(row.peak),
-            f"{row.tokens_per_s:,.0f}"]
+            f"{row.tokens_per_s:,.0f}", "-" if row.ratio is None else f"{row.ratio:.2f}x"]
+
+
+def verdict(rows: list[Row], goal: int | None) -> str:
+    """The issue's goal for 'auto': peak (CUDA) within ``goal`` at >= 0.8x the tokens/s of 'none'."""
+    auto = next((r for r in rows if r.mode == "auto" and not r.error), None)
+    if auto is None or auto.ratio is None:
+        return "goal: needs an 'auto' and a 'none' row"
+    speed = f"tokens/s {auto.ratio:.2f}x of none ({'>=' if auto.ratio >= 0.8 else '<'} 0.8x)"
+    if auto.peak is None or goal is None:
+        return f"goal: {speed}; peak not measured (CPU)"
+    met = auto.peak <= goal and auto.ratio >= 0.8
+    return f"goal {'MET' if met else 'NOT met'}: peak {human(auto.peak)} vs {human(goal)}, {speed}"
 
 
 def print_table(rows: list[Row], title: str) -> None:
-    head = ["remat", "budget", "predicted saved", "measured saved", "peak memory", "tokens/s"]
+    head = ["remat", "budget", "predicted saved", "measured saved", "peak memory", "tokens/s", "vs none"]
     body = [_fmt(r) for r in rows]
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     print(title)
@@ -140,11 +160,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
     budget = None if args.budget_gib is None else int(args.budget_gib * GIB)
     if budget is None and not args.tiny:
         budget = 8 * GIB
+    goal = budget
     rows = []
     for mode in args.modes.split(","):
+        none = next((r for r in rows if r.mode == "none" and r.predicted and not r.error), None)
         if mode == "auto" and budget is None:  # --tiny: 60% of what 'none' keeps
-            none = next((r for r in rows if r.mode == "none" and r.predicted), None)
             budget = int(0.6 * none.predicted) if none else None
+            goal = budget
+        elif mode == "auto" and args.fit_peak and none is not None and none.peak is not None:
+            budget = budget - (none.peak - none.measured)
         try:
             rows.append(run_mode(model, ids, labels, mode, budget, args, device))
         except (mambac.MambacError, torch.OutOfMemoryError) as exc:
@@ -152,8 +176,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
         if device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
+    none = next((r for r in rows if r.mode == "none" and not r.error), None)
+    for r in rows:
+        if none is not None and not r.error:
+            r.ratio = r.tokens_per_s / none.tokens_per_s
     print_table(rows, f"{args.preset}, batch {args.batch} x {args.seqlen}, bf16 autocast, {device.type}, "
                       f"{args.steps} timed steps (forward + backward)")
+    print(verdict(rows, goal))
     return rows
 
 

@@ -2,8 +2,8 @@
 
 ``ssd_forward`` runs the three forward kernels of ``render_fwd`` (see there for what each does)
 for the region its arguments describe; ``ssd_backward`` (``ssd_kernels_bwd.py``) the backward.
-``register_cuda_kernels()`` makes the forward the CUDA implementation of ``mambac::ssd``; calls
-the kernels cannot take (float64, CPU tensors) fall back to the op's reference.
+``mambac.codegen.wiring`` registers both as the device kernels of ``mambac::ssd``; calls the
+kernels cannot take (float64, CPU tensors outside the interpreter) run the op's reference.
 """
 from __future__ import annotations
 
@@ -176,24 +176,9 @@ def kernels_support(x: Tensor, *others: Optional[Tensor]) -> bool:
     return all(t.device == x.device for t in tensors)
 
 
-_REGISTERED = False
-
-
 def register_cuda_kernels() -> None:
-    """Register the generated forward as the CUDA kernel of ``mambac::ssd`` (idempotent)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from mambac.ops.ssd import reference
-
-    @torch.library.register_kernel("mambac::ssd", "cuda")
-    def _ssd_cuda(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min,
-                  dt_max):
-        if not kernels_support(x, dt, A, B, C, D, z, dt_bias, initial_state):
-            y, final = reference(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size,
-                                 dt_softplus, dt_min, dt_max)
-            return y.contiguous(), final.contiguous()
-        return ssd_forward(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus,
-                           dt_min, dt_max)
-
-    _REGISTERED = True
+    """Register the generated kernels (forward and backward) of every op with kernels as their
+    device kernels (``mambac.codegen.wiring``; idempotent).  ``mambac.ops`` does this by itself
+    on first use, so calling it is only needed to inspect ``registered_device_kernels()``."""
+    import importlib
+    importlib.import_module("mambac.codegen.wiring")

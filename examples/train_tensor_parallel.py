@@ -1,6 +1,7 @@
-"""Tensor-parallel (optionally sequence-parallel and data-parallel) training of a Mamba-2 LM.
+"""Tensor-parallel (optionally sequence-, context- and data-parallel) training of a Mamba-2 LM.
 
-Launch with ``mambac run -n 4 examples/train_tensor_parallel.py --tp 2 --dp 2`` (or torchrun).
+Launch with ``mambac run -n 4 examples/train_tensor_parallel.py --tp 2 --cp 2`` (tp x cp), or
+``--tp 2 --dp 2``, or ``--cp 4`` (or torchrun).
 Every rank passes the same full batch; the loss is the global mean; gradients are clipped with the
 unsharded model's norm; the final unsharded state dict is saved by rank 0.
 """
@@ -19,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tp", type=int, default=None)
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks: the sequence split over them")
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--save", default="")
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     model = MambaLMHeadModel(MambaConfig(d_model=64, n_layer=2, vocab_size=64,
                                          ssm_cfg=dict(layer="Mamba2", d_state=16, headdim=16, ngroups=2,
                                                       chunk_size=16)))
-    lm = mambac.compile(model, world_size=world, tp=args.tp, dp=args.dp,
+    lm = mambac.compile(model, world_size=world, tp=args.tp, dp=args.dp, cp=args.cp,
                         sequence_parallel=args.sequence_parallel)
     opt = torch.optim.AdamW(lm.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)  # the same batches on every rank
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(loss.item())
     state = lm.state_dict()  # unsharded; every rank takes part
     if rank == 0:
-        print(f"world {world} (tp={lm.options.tp}, dp={lm.options.dp}): loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        print(f"world {world} (tp={lm.options.tp}, dp={lm.options.dp}, cp={lm.options.cp}): loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if args.save:
             torch.save(state, args.save)
     return 0 if losses[-1] < losses[0] else 1

@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mambac.errors import MambacInputError
+from mambac.errors import MambacInputError, MambacOptionsError
 from mambac.lowering import bind_inputs
 from mambac.options import CompileOptions
 from mambac.runtime.compiled_module import CompiledModule
@@ -32,11 +32,21 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
             **options: Any) -> CompiledModule:
     """Compile ``model`` into a fused module (``world_size`` ranks; see ``CompileOptions``).
 
-    Options are validated before anything else happens.  With ``example_inputs`` (or a model that
+    Options are validated before anything else happens.  ``plan="auto"`` chooses the layout (tp,
+    dp, cp, sequence_parallel, remat, memory_budget) with the planner for ``device_memory``,
+    ``batch`` and ``seqlen`` (see ``mambac.plan_auto``).  With ``example_inputs`` (or a model that
     provides ``example_inputs()``) the program is lowered now, so errors surface here; otherwise on
     the first call.  The result shares the model's parameters and ``state_dict`` keys.
     """
-    opts = CompileOptions.create(world_size=world_size, **options)
+    from mambac import plan_auto
+    auto = plan_auto.wants_auto(options)
+    if auto:
+        plan_auto.check_request(world_size, options)
+    elif any(options.get(k) is not None for k in plan_auto.PLANNED_FOR):
+        raise MambacOptionsError("device_memory, batch and seqlen are read by plan='auto' only; pass plan='auto' "
+                                 "or drop them.")
+    else:
+        opts = CompileOptions.create(world_size=world_size, **options)
     from mambac.convert import prepare_model  # a checkpoint path or a foreign (HF, mamba_ssm) model
     model = prepare_model(model)
     if not isinstance(model, torch.nn.Module):
@@ -44,6 +54,8 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
     if isinstance(model, CompiledModule):
         raise MambacInputError("this module is already compiled by mambac; compile the original model "
                                "(compiled.original_module) instead.")
+    if auto:  # the planner's best layout that this version can compile (mambac/plan_auto.py)
+        opts = plan_auto.resolve(model, world_size, example_inputs, options)
     compiled = CompiledModule(model, opts, _input_checks(model))
     if example_inputs is None and hasattr(model, "example_inputs"):
         example_inputs = model.example_inputs()

@@ -7,7 +7,8 @@ feasible ones are ranked fastest first.  Activation bytes and FLOPs come from th
 (``mambac.memory``: what autograd saves, as formulas in B and L, and each node's FLOPs), measured
 once on the single-device program at a small example shape; the layouts only rescale them.
 docs/planner.md explains the model and its assumptions.  This module predicts only: it lowers
-nothing for several ranks and chooses no option of ``mambac.compile`` by itself.
+nothing for several ranks; ``mambac.compile(..., plan="auto")`` (``mambac.plan_auto``) compiles
+with the best row that compile can run.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from mambac.errors import MambacInputError, MambacOptionsError
 from mambac.memory import B as SYM_B, L as SYM_L, human
 
-REMAT_MODES = ("none", "full")
+REMAT_MODES = ("none", "auto", "full")
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Row:
     comm_s: float = 0.0
     weights: float = 0.0
     activations: float = 0.0
+    memory_budget: int | None = None   # remat='auto': the saved-activation bytes per rank it may keep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,18 +164,41 @@ def _recompute_io(cost: ModelCost, remat: str) -> float:
     return share * cost.io_bytes_per_token
 
 
+def _auto(cost: ModelCost, lay: Layout, b: float, l: float, room: float) -> tuple[float, float, str]:
+    """remat='auto' keeping at most ``room`` activation bytes per rank: the activations it keeps, the
+    share of full remat's recompute it is charged (the bytes it must free over the bytes full remat
+    frees: an upper bound, as 'auto' recomputes the cheapest bytes first), and why it does not
+    apply, if it does not."""
+    none = cost.act["none"].per_rank(b, l, lay.tp, lay.sequence_parallel)
+    full = cost.act["full"].per_rank(b, l, lay.tp, lay.sequence_parallel)
+    if none <= room:
+        return none, 0.0, "remat='none' fits: nothing to recompute"
+    if full > room:
+        return full, 1.0, "does not fit even with every block recomputed"
+    return room, (none - room) / max(none - full, 1.0), ""
+
+
 def evaluate(cost: ModelCost, lay: Layout, batch: int, seqlen: int, dev: Device, memory_limit: float) -> Row:
     """Predicted step time and memory per rank of ``lay`` (see docs/planner.md)."""
     b, l = batch / lay.dp, seqlen / lay.cp
     weights = cost.params * (2 * cost.param_bytes + cost.optimizer_bytes) / lay.tp
-    acts = cost.act[lay.remat].per_rank(b, l, lay.tp, lay.sequence_parallel)
+    budget, why = None, ""
+    if lay.remat == "auto":   # keep what the device has room for, recompute the rest
+        budget = int(memory_limit - weights)
+        acts, share, why = _auto(cost, lay, b, l, budget)
+        recompute_flops, recompute_io = (share * cost.recompute_flops_per_token["full"],
+                                         share * _recompute_io(cost, "full"))
+    else:
+        acts = cost.act[lay.remat].per_rank(b, l, lay.tp, lay.sequence_parallel)
+        recompute_flops, recompute_io = cost.recompute_flops_per_token[lay.remat], _recompute_io(cost, lay.remat)
     tokens = b * l
-    flops = tokens * (3 * cost.flops_per_token + cost.recompute_flops_per_token[lay.remat]) / lay.tp
-    compute = dev.compute_seconds(flops, tokens * (3 * cost.io_bytes_per_token + _recompute_io(cost, lay.remat)) / lay.tp)
+    flops = tokens * (3 * cost.flops_per_token + recompute_flops) / lay.tp
+    compute = dev.compute_seconds(flops, tokens * (3 * cost.io_bytes_per_token + recompute_io) / lay.tp)
     comm = comm_seconds(cost, lay, b, l, dev)
     memory = weights + acts
     reason = "" if memory <= memory_limit else f"needs {human(memory)} > {human(memory_limit)} per rank"
-    return Row(lay, compute + comm, memory, not reason, reason, compute, comm, weights, acts)
+    reason = reason or why
+    return Row(lay, compute + comm, memory, not reason, reason, compute, comm, weights, acts, budget)
 
 
 def _why_not(cost: ModelCost, lay: Layout, batch: int, seqlen: int) -> str:
@@ -189,7 +214,8 @@ def _why_not(cost: ModelCost, lay: Layout, batch: int, seqlen: int) -> str:
 
 
 def candidates(world_size: int) -> list[Layout]:
-    """Every (tp, cp, dp) with tp*cp*dp = world_size, with and without sp (tp > 1), each remat mode."""
+    """Every (tp, cp, dp) with tp*cp*dp = world_size, with and without sp (tp > 1), each remat mode
+    (none, auto: recompute only what does not fit, full: every block)."""
     out = []
     for tp in (d for d in range(1, world_size + 1) if world_size % d == 0):
         rest = world_size // tp
@@ -251,8 +277,12 @@ def format_table(rows: Sequence[Row], limit: int | None = 10) -> str:
                  else f"{'-':>10} {'-':>10} {'-':>10}")
         mem = human(r.memory) if math.isfinite(r.memory) else "-"
         lines.append(f"{i:>3}  {lay.tp:>3} {lay.cp:>3} {lay.dp:>3} {'on' if lay.sequence_parallel else 'off':>3} "
-                     f"{lay.remat:>5}  {times}  {mem:>12}  {r.reason or 'fits'}")
+                     f"{lay.remat:>5}  {times}  {mem:>12}  {r.reason or _fits(r)}")
     return "\n".join(lines)
+
+
+def _fits(row: Row) -> str:
+    return "fits" if row.memory_budget is None else f"fits, memory_budget={human(row.memory_budget)}"
 
 
 def _ms(seconds: float) -> str:

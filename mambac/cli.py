@@ -1,10 +1,12 @@
 """The ``mambac`` command line: dump lowered graphs, launch ranks, run the demo.
 
     mambac dump MODEL [--stage NAME|all] [--format text|dot|svg] [-o FILE] [--batch B --seqlen L]
-                      [--world-size W --rank R --tp T --dp D --sequence-parallel]
-    mambac explain MODEL [--world-size W --tp T --sequence-parallel --remat auto --memory-budget 8GiB]
+                      [--world-size W --rank R --tp T --dp D --cp C --sequence-parallel]
+    mambac dump MODEL --kernels [-o DIR]   (generated Triton source of the program's kernels)
+    mambac explain MODEL [--world-size W --tp T --cp C --sequence-parallel --remat auto --memory-budget 8GiB]
     mambac run -n W [--timeout S] [--max-restarts R] script.py args...
     mambac plan MODEL --world-size W [--device-memory 80GiB] [--batch B --seqlen L] [--device h200|cpu]
+    mambac bench [NAME [script options...]]   (the benchmarks/ scripts: ssd, cp, remat, train, ...)
     mambac demo [--steps N ...]
 
 MODEL is a built-in preset name (``mambac dump --list``), ``path/to/file.py:factory`` (a function
@@ -93,10 +95,15 @@ def cmd_dump(args: argparse.Namespace) -> int:
     programs = lower_all_ranks(model, _example_inputs(model, args.batch, args.seqlen), args.world_size,
                                **_mesh_options(args))
     program = programs[args.rank]
+    if args.kernels:  # the generated Triton source of every kernel the program uses
+        from mambac.codegen.dump import dump_program_kernels
+        return dump_program_kernels(program.gm, args.output)
     history = program.ctx.history
     stages = [n for n, _ in history]
     if args.stage == "all":
         chosen = history
+    elif not args.stage:
+        chosen = history[-1:]
     else:
         name = args.stage or stages[-1]
         if name not in stages:
@@ -114,7 +121,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _mesh_options(args: argparse.Namespace) -> dict:
-    opts = {"dp": args.dp, "sequence_parallel": args.sequence_parallel}
+    opts = {"dp": args.dp, "cp": args.cp, "sequence_parallel": args.sequence_parallel}
     if args.tp is not None:
         opts["tp"] = args.tp
     return opts
@@ -133,7 +140,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         opts["memory_budget"] = _parse_bytes(args.memory_budget)
     programs = lower_all_ranks(model, _example_inputs(model, args.batch, args.seqlen), args.world_size, **opts)
     ranks = None if args.rank is None else [args.rank]
-    sys.stdout.write(explain(programs, ranks))
+    sys.stdout.write(explain(programs, ranks, model))
     return 0
 
 
@@ -163,6 +170,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def benchmark_dir() -> Path | None:
+    """The ``benchmarks/`` folder of the checkout mambac runs from (or of the current directory)."""
+    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        if (base / "benchmarks").is_dir() and any((base / "benchmarks").glob("bench_*.py")):
+            return base / "benchmarks"
+    return None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    root = benchmark_dir()
+    if root is None:
+        raise MambacInputError("no benchmarks/ folder here: `mambac bench` runs the scripts of a source checkout; "
+                               "run it from the repository root (git clone, then pip install -e .).")
+    names = sorted(p.stem[len("bench_"):] for p in root.glob("bench_*.py"))
+    if args.name is None:
+        print("benchmarks: " + ", ".join(names) + f"  (in {root}; `mambac bench NAME --help` for options)")
+        return 0
+    if args.name not in names:
+        raise MambacInputError(f"no benchmark {args.name!r}; benchmarks: {', '.join(names)}.")
+    return subprocess.call([sys.executable, str(root / f"bench_{args.name}.py"), *args.args])
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mambac", description="mambac: a compiler for Mamba-family models.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -175,10 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rank", type=int, default=0, help="which rank's program to print")
     d.add_argument("--tp", type=int, default=None)
     d.add_argument("--dp", type=int, default=1)
+    d.add_argument("--cp", type=int, default=1, help="context-parallel ranks (the sequence split)")
     d.add_argument("--sequence-parallel", action="store_true")
     d.add_argument("--batch", type=int, default=2)
     d.add_argument("--seqlen", type=int, default=64)
-    d.add_argument("-o", "--output", default="")
+    d.add_argument("-o", "--output", default="", help="file (with --kernels: a directory)")
+    d.add_argument("--kernels", action="store_true", help="print the generated Triton kernels the program uses")
     d.set_defaults(fn=cmd_dump)
     e = sub.add_parser("explain", help="per rank: parameters, activation memory, communication, kernels")
     e.add_argument("model", help="preset name, file.py:factory, or checkpoint directory")
@@ -186,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
     e.add_argument("--tp", type=int, default=None)
     e.add_argument("--dp", type=int, default=1)
+    e.add_argument("--cp", type=int, default=1, help="context-parallel ranks (the sequence split)")
     e.add_argument("--sequence-parallel", action="store_true")
     e.add_argument("--remat", choices=("none", "full", "auto"), default="none")
     e.add_argument("--memory-budget", default="", help="bytes per rank for remat=auto, e.g. 8GiB")
@@ -209,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--top", type=int, default=10, help="how many feasible layouts to print")
     p.set_defaults(fn=cmd_plan)
+    b = sub.add_parser("bench", help="run a benchmark script of benchmarks/ (tables of speed and memory)")
+    b.add_argument("name", nargs="?", help="benchmark name (none: list them), e.g. ssd, cp, remat, train")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the script")
+    b.set_defaults(fn=cmd_bench)
     sub.add_parser("demo", help="run the main job (options: mambac demo --help)")
     return ap
 

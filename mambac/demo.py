@@ -1,5 +1,6 @@
-"""The main job (``make demo``): train a small Mamba-2 LM compiled by mambac, tensor-parallel over
-``--world-size`` ranks (4 by default), on two tasks from the Mamba paper — selective copying and
+"""The main job (``make demo``): train a small Mamba-2 LM compiled by mambac over ``--world-size``
+ranks (4 by default: tensor-parallel over 2 x context-parallel over 2, each rank holding half of
+the heads of half of every sequence), on two tasks from the Mamba paper — selective copying and
 induction heads — generated on the fly; then check the trained compiled model against eager and
 write the lowered graph of rank 0 to a file.
 
@@ -87,8 +88,17 @@ def _launched_here(args: argparse.Namespace, argv: list[str]) -> int | None:
         return None
     from mambac.runtime.launcher import launch
 
-    print(f"launching {args.world_size} ranks (tp={args.world_size}) through torch.distributed.run")
+    tp, cp = layout(args)
+    print(f"launching {args.world_size} ranks (tp={tp} x cp={cp}) through torch.distributed.run")
     return launch(args.world_size, __file__, argv, timeout=args.timeout)
+
+
+def layout(args: argparse.Namespace) -> tuple[int, int]:
+    """(tp, cp) for the demo's world size."""
+    cp = args.cp if args.cp is not None else (2 if args.world_size % 2 == 0 else 1)
+    if cp < 1 or args.world_size % cp:
+        raise SystemExit(f"--cp {cp} does not divide --world-size {args.world_size}")
+    return args.world_size // cp, cp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
-    ap.add_argument("--world-size", type=int, default=4, help="tensor-parallel ranks (1: no process group)")
+    ap.add_argument("--world-size", type=int, default=4, help="ranks (1: no process group)")
+    ap.add_argument("--cp", type=int, default=None,
+                    help="context-parallel ranks (default: 2 when world_size is even, else 1); tp = world_size / cp")
     ap.add_argument("--timeout", type=float, default=1800, help="stop every rank after this many seconds")
     ap.add_argument("--graph-out", default="mambac_demo_graph.txt", help="file the lowered graph is written to")
     args = ap.parse_args(argv)
@@ -121,10 +133,12 @@ def run_rank(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     model = build_model(device)
     n_params = sum(p.numel() for p in model.parameters())
+    tp, cp = layout(args)
     say(f"model: Mamba-2 LM, {model.config.n_layer} layers, d_model {model.config.d_model}, "
-        f"{n_params / 1e3:.0f}k parameters, on {args.device}, world_size {args.world_size} (tp={args.world_size})")
+        f"{n_params / 1e3:.0f}k parameters, on {args.device}, world_size {args.world_size} (tp={tp} x cp={cp})")
     example = next_token_batch(2, torch.Generator().manual_seed(0), device)
-    compiled = mambac.compile(model, world_size=args.world_size, example_inputs=example)
+    opts = dict(tp=tp, cp=cp) if args.world_size > 1 else {}
+    compiled = mambac.compile(model, world_size=args.world_size, example_inputs=example, **opts)
     program = compiled.program_for(*example)
     for name, stats in program.ctx.stats.items():
         say(f"  pass {name:22s} {program.ctx.timings.get(name, 0) * 1e3:7.1f} ms  {stats.counts}")

@@ -46,20 +46,45 @@ def parameters_section(gm: torch.fx.GraphModule) -> str:
 
 
 def communication_rows(gm: torch.fx.GraphModule) -> list[tuple[str, str, int, int, int]]:
-    """(collective, group, calls, forward bytes, backward bytes) per kind and group, per step."""
+    """(collective, group, calls, forward bytes, backward bytes) per kind and group, per step.
+    A context-parallel sequence op counts as one ``cp_exchange`` (all-gather of its carried state
+    forward, reduce-scatter backward)."""
+    from mambac.runtime.context_parallel import CP_FORMS, exchange_bytes
     acc: dict[tuple[str, str], list[int]] = {}
     for node in gm.graph.nodes:
         kind = _collective(node)
-        if kind is None:
+        if node.op == "call_function" and node.target in CP_FORMS:
+            vals = tuple(a.meta.get(VAL) if isinstance(a, torch.fx.Node) else a for a in node.args)
+            n = exchange_bytes(node.target, vals, tuple(node.meta[VAL]), node.args[-2])
+            kind, group, fwd_b, bwd_b = "cp_exchange", str(node.args[-1]), n, n
+        elif kind is None:
             continue
-        group = str(node.args[-1])
-        i, o = _nbytes(node.args[0].meta.get(VAL)), _nbytes(node.meta.get(VAL))
-        fwd, bwd = _PAYLOAD[kind]
+        else:
+            group = str(node.args[-1])
+            i, o = _nbytes(node.args[0].meta.get(VAL)), _nbytes(node.meta.get(VAL))
+            fwd, bwd = _PAYLOAD[kind]
+            fwd_b, bwd_b = fwd(i, o), bwd(i, o)
         row = acc.setdefault((kind, group), [0, 0, 0])
         row[0] += 1
-        row[1] += fwd(i, o)
-        row[2] += bwd(i, o)
+        row[1] += fwd_b
+        row[2] += bwd_b
     return [(k, g, *v) for (k, g), v in sorted(acc.items())]
+
+
+def layer_formulas_section(model: torch.nn.Module, options) -> str:
+    """Every collective of one mixer per step, bytes as formulas of batch and seqlen (``mambac.comm``)."""
+    from mambac.comm import layer_comm, total_bytes
+    mixer = next((m for m in model.modules() if type(m).__name__ in ("Mamba", "Mamba2", "Mamba3")), None)
+    if mixer is None:
+        return ""
+    rows = layer_comm(mixer, tp=options.tp, cp=options.cp, sequence_parallel=options.sequence_parallel)
+    if not rows:
+        return ""
+    lines = ["communication of one mixer per step (bytes; seqlen is the whole sequence):"]
+    lines += [f"  {c.axis:2s} {c.direction:8s} {c.kind:14s} {c.what:24s} {c.bytes}" for c in rows]
+    for axis in sorted({c.axis for c in rows}):
+        lines.append(f"  total over {axis}: {total_bytes(rows, axis)}")
+    return "\n".join(lines)
 
 
 def communication_section(gm: torch.fx.GraphModule) -> str:
@@ -95,8 +120,10 @@ def kernels_section(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def explain(programs: Sequence[Lowered], ranks: Sequence[int] | None = None) -> str:
-    """The report for the given ranks' programs (all of them by default)."""
+def explain(programs: Sequence[Lowered], ranks: Sequence[int] | None = None,
+            model: torch.nn.Module | None = None) -> str:
+    """The report for the given ranks' programs (all of them by default); with the (unsharded)
+    ``model``, also the per-mixer communication formulas."""
     out = []
     for rank, program in enumerate(programs):
         if ranks is not None and rank not in ranks:
@@ -104,4 +131,8 @@ def explain(programs: Sequence[Lowered], ranks: Sequence[int] | None = None) -> 
         gm = program.gm
         out.append("\n".join([f"=== rank {rank} of {len(programs)} ===", parameters_section(gm),
                               communication_section(gm), kernels_section(gm), explain_memory(program)]))
+    if model is not None and programs:
+        formulas = layer_formulas_section(model, programs[0].ctx.options)
+        if formulas:
+            out.append(formulas)
     return "\n\n".join(out) + "\n"

@@ -16,6 +16,7 @@ FUSION = "mambac_fusion"   # FusionInfo: what a fused op absorbed
 PLACEMENT = "mambac_placement"  # Placement: how a value is laid out across ranks
 PLAN = "mambac_plan"            # gm.meta: the RankPlan a per-rank program is lowered for
 GLOBAL_SHAPES = "mambac_global_shapes"  # gm.meta: node name -> shape in the unsharded model's graph
+CP_LENGTH = "mambac_cp_length"  # gm.meta: the whole sequence length a cp rank's program is lowered for
 MESH = "mambac_mesh"            # gm.meta: the MeshSpec (sizes, this rank, group names)
 WANTS = "mambac_wants"          # dict input-name -> Placement an op needs its input in (set by propagate_sharding)
 
@@ -132,9 +133,11 @@ class Placements:
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """The device mesh one program is lowered for: dp x tp ranks, this rank's coordinates, the
-    process-group names its collectives use (placeholders when lowering without process groups),
-    and the layout options."""
+    """The device mesh one program is lowered for: dp x cp x tp ranks, this rank's coordinates,
+    the process-group names its collectives use (placeholders when lowering without process
+    groups), and the layout options.  ``dims`` are the mesh dims that placements speak of; the
+    context-parallel split of the sequence (``cp``) is not a placement: the program is lowered for
+    this rank's piece of the sequence and ``split_sequence`` makes the sequence ops exchange state."""
 
     dp: int = 1
     tp: int = 1
@@ -145,6 +148,9 @@ class MeshSpec:
     sequence_parallel: bool = False
     output: str = "full"
     dims: tuple[str, ...] = ("dp", "tp")
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: str = "cp"
 
     def size(self, dim: str) -> int:
         return self.dp if dim == "dp" else self.tp

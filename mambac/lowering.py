@@ -4,6 +4,9 @@ For more than one rank, rank r's program is lowered from rank r's *local model* 
 parameters cut to its shards, local sizes), with the plan and mesh in ``gm.meta`` for the
 sharding passes.  ``lower_all_ranks`` lowers every rank's program without any process group (for
 ``mambac dump --world-size W`` and for reading the collectives a configuration implies).
+Under context parallelism (cp > 1) a rank's program is lowered for *its piece* of the sequence
+(``cp_pieces``); the whole length is recorded for ``split_sequence``, and one program is lowered
+per whole length (the halo and the pieces' sizes depend on it).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch.fx
 
 from mambac import capture as capture_mod
 from mambac.errors import MambacInputError
-from mambac.ir import GLOBAL_SHAPES, MESH, PLAN, VAL, MeshSpec
+from mambac.ir import CP_LENGTH, GLOBAL_SHAPES, MESH, PLAN, VAL, MeshSpec
 from mambac.knobs import knobs
 from mambac.options import CompileOptions
 from mambac.passes.context import PassContext
@@ -75,10 +78,33 @@ def make_context(options: CompileOptions, rank: int = 0) -> PassContext:
     )
 
 
+def sequence_length(values: Sequence[Any]) -> int:
+    """The sequence length of bound inputs: dim 1 of every tensor input of two or more dims (they
+    must agree), as context parallelism splits them."""
+    lengths = {int(v.shape[1]) for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2}
+    if not lengths:
+        raise MambacInputError("context parallelism splits the sequence (dim 1) of the inputs, but no input has "
+                               "two or more dims; pass (batch, seqlen, ...) tensors.")
+    if len(lengths) > 1:
+        raise MambacInputError(f"context parallelism splits dim 1 of every input of two or more dims, but they "
+                               f"differ ({sorted(lengths)}); give all sequence inputs the same length.")
+    return lengths.pop()
+
+
+def cp_pieces(values: Sequence[Any], cp_rank: int, cp: int) -> tuple[list[Any], int]:
+    """This cp rank's piece of every sequence input (dim 1 of tensors with two or more dims) and the
+    whole length.  Pieces are contiguous, in rank order, the first ``L % cp`` ranks one longer."""
+    from mambac.runtime.context_parallel import local_piece
+    length = sequence_length(values)
+    local = [local_piece(v, 1, cp_rank, cp) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for v in values]
+    return local, length
+
+
 def lower(model: torch.nn.Module, values: Sequence[Any], options: CompileOptions, rank: int = 0,
-          setup: RankSetup | None = None) -> Lowered:
+          setup: RankSetup | None = None, cp_length: int | None = None) -> Lowered:
     """Capture ``model`` (``setup.model`` for a rank of several) for the given (bound) input values
-    and run the pipeline for ``rank``."""
+    and run the pipeline for ``rank``.  Under cp, ``values`` are this rank's pieces and
+    ``cp_length`` the whole sequence's length."""
     full_model = model
     if setup is not None:
         model = setup.model
@@ -89,6 +115,7 @@ def lower(model: torch.nn.Module, values: Sequence[Any], options: CompileOptions
     if setup is not None:
         gm.meta[PLAN], gm.meta[MESH] = setup.plan, setup.mesh
         gm.meta[GLOBAL_SHAPES] = _global_shapes(full_model, concrete, values)
+        gm.meta[CP_LENGTH] = cp_length
     ctx = make_context(options, rank)
     gm = run_passes(gm, ctx, pipeline_for(options))
     return Lowered(gm=gm, ctx=ctx, signature=signature_of(values))
@@ -111,5 +138,6 @@ def lower_all_ranks(model: torch.nn.Module, example_inputs: Sequence[Any], world
     out = []
     for rank in range(world_size):
         setup = rank_setup(model, opts, offline_spec(opts, rank)) if world_size > 1 else None
-        out.append(lower(model, values, opts, rank, setup))
+        mine, length = (cp_pieces(values, setup.mesh.cp_rank, opts.cp) if opts.cp > 1 else (values, None))
+        out.append(lower(model, mine, opts, rank, setup, length))
     return out

@@ -15,6 +15,7 @@ from mambac.errors import MambacOptionsError
 REMAT_MODES = ("none", "full", "auto")
 KERNEL_MODES = ("auto", "triton", "reference")
 OUTPUT_MODES = ("full", "sharded")
+CP_INPUT_MODES = ("full", "local")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,12 @@ class CompileOptions:
     disable_passes override the MAMBAC_VERIFY/MAMBAC_DUMP_DIR/MAMBAC_DISABLE_PASSES knobs;
     plan: per-module overrides of the default Megatron layout, ``{module path: kind}`` (kinds in
     ``mambac.plan.KINDS``); comm_timeout: seconds a collective may wait before the process group
-    gives up (used when mambac initialises the process group itself).
+    gives up (used when mambac initialises the process group itself); cp_inputs: under context
+    parallelism, 'full' (every rank passes the whole sequence, each keeps its piece) or 'local'
+    (each rank passes only its own piece of the sequence, in rank order, the first ranks one token
+    longer when cp does not divide the length).  ``plan="auto"`` (``mambac.compile`` only) lets
+    the layout planner choose tp, dp, cp, sequence_parallel, remat and memory_budget for
+    device_memory (bytes per device), batch and seqlen, which stay recorded here.
     """
 
     world_size: int = 1
@@ -45,6 +51,10 @@ class CompileOptions:
     disable_passes: tuple[str, ...] = ()
     plan: tuple[tuple[str, str], ...] = ()
     comm_timeout: float | None = None
+    cp_inputs: str = "full"
+    device_memory: int | None = None
+    batch: int | None = None
+    seqlen: int | None = None
 
     @classmethod
     def create(cls, **kwargs) -> "CompileOptions":
@@ -77,6 +87,7 @@ class CompileOptions:
         _choice("remat", self.remat, REMAT_MODES)
         _choice("kernels", self.kernels, KERNEL_MODES)
         _choice("output", self.output, OUTPUT_MODES)
+        _choice("cp_inputs", self.cp_inputs, CP_INPUT_MODES)
         if self.sequence_parallel and tp == 1:
             raise MambacOptionsError("sequence_parallel=True needs tensor parallelism (tp > 1): it shards the "
                                      "residual stream over the tp ranks. Set tp or drop sequence_parallel.")
@@ -84,22 +95,19 @@ class CompileOptions:
             raise MambacOptionsError("memory_budget is only used with remat='auto'; set remat='auto' or drop it.")
         if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
             raise MambacOptionsError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}.")
+        for name in ("device_memory", "batch", "seqlen"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise MambacOptionsError(f"{name} must be a positive integer, got {v!r}.")
         if self.comm_timeout is not None and (isinstance(self.comm_timeout, bool)
                                               or not isinstance(self.comm_timeout, (int, float))
                                               or self.comm_timeout <= 0):
             raise MambacOptionsError(f"comm_timeout must be a positive number of seconds, got {self.comm_timeout!r}.")
+        if self.plan == "auto":
+            raise MambacOptionsError("plan='auto' needs the model: pass it to mambac.compile(model, plan='auto', ...), "
+                                     "which chooses tp, dp, cp, sequence_parallel, remat and memory_budget.")
         if not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in self.plan):
             raise MambacOptionsError("plan must map module paths to kinds, e.g. plan={'lm_head': 'replicate'}.")
-        self._check_supported(tp)
-
-    def _check_supported(self, tp: int) -> None:
-        """Reject what this version cannot do yet, rather than silently ignoring it."""
-        if self.cp > 1:
-            raise MambacOptionsError(f"cp={self.cp}: context parallelism is not available in this version of "
-                                     "mambac; use tp (tensor/sequence parallelism) and dp instead.")
-        if self.remat != "none" and self.world_size > 1:
-            raise MambacOptionsError(f"remat='{self.remat}' is only available at world_size=1 in this version of "
-                                     "mambac; use remat='none' with several ranks.")
 
 
 def _choice(name: str, value, allowed: tuple) -> None:

@@ -6,28 +6,25 @@ parameters.  ``trainer.step(ids, labels)`` validates the batch before any collec
 loss and every gradient for NaN/Inf (skip the step, or stop naming the step and parameter), clips
 the global gradient norm across shards and steps the optimiser.
 
-``trainer.save(root)`` writes a ``torch.distributed.checkpoint`` of the parameters and the AdamW
-moments (both as *unsharded* tensors, so any tp/dp layout or one process can load them), the step
-counter and the RNG state into ``root/step_N.tmp``; once every rank has written, rank 0 renames it to
-``root/step_N`` and replaces ``root/latest`` atomically.  A write cut short leaves only a ``.tmp``
-directory, so ``trainer.load(root)`` always finds the last complete checkpoint.
+``trainer.save(root)`` / ``trainer.load(root)`` write and read resumable checkpoints (parameters and
+AdamW moments stored unsharded, so any tp × dp layout or one process resumes them; the step counter,
+which is the data position; every rank's RNG state), committed atomically: see
+``mambac.trainer_checkpoint``.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mambac.errors import MambacInputError, MambacRuntimeError
+from mambac.trainer_checkpoint import latest_checkpoint  # noqa: F401  (part of this module's interface)
 from mambac.training import clip_grad_norm_
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+IGNORE_INDEX = -100  # labels equal to this add nothing to the loss (as in the models' cross-entropy)
 
 
 class SyntheticTokens:
@@ -69,6 +66,8 @@ class Trainer:
         self.device_type = device.type
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=lr, betas=betas, weight_decay=weight_decay)
         self.step_count, self.skipped = 0, 0
+        self.grad_norm: float | None = None  # the last step's unsharded gradient norm (before clipping)
+        self.rng_restored: str | None = None  # which generators the last load restored (trainer_checkpoint)
         self.vocab = _vocab_size(getattr(compiled, "original_module", compiled))
 
     def _named_params(self):
@@ -93,24 +92,43 @@ class Trainer:
                 raise MambacInputError(f"{what} must be (batch, seqlen), got shape {tuple(t.shape)}.")
         if ids.shape != labels.shape:
             raise MambacInputError(f"ids {tuple(ids.shape)} and labels {tuple(labels.shape)} differ in shape.")
+        if ids.shape[1] == 0:
+            raise MambacInputError("the batch has no tokens (seqlen 0).")
         if self.vocab is not None and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.vocab:
                 raise MambacInputError(f"token ids must lie in [0, {self.vocab}); this batch has {lo}..{hi}.")
+            bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab))]
+            if bad.numel():
+                raise MambacInputError(f"labels must lie in [0, {self.vocab}) or be {IGNORE_INDEX} (ignored); this "
+                                       f"batch has {int(bad[0])}.")
+        opts = getattr(self.compiled, "options", None)
+        if opts is not None and opts.cp > 1 and opts.cp_inputs == "full" and ids.shape[1] < opts.cp:
+            raise MambacInputError(f"a sequence of {ids.shape[1]} tokens cannot be split over cp={opts.cp} "
+                                   f"context-parallel ranks; pass at least {opts.cp} tokens per sequence.")
         dp = self._layout()[1]
-        if ids.shape[0] % (self.accum * dp):
-            raise MambacInputError(f"batch size {ids.shape[0]} does not split into accum={self.accum} micro-batches "
-                                   f"of dp={dp} equal parts (needs a multiple of {self.accum * dp}).")
+        b = ids.shape[0]
+        if b % self.accum:
+            raise MambacInputError(f"batch size {b} does not split into accum={self.accum} equal micro-batches "
+                                   f"(needs a multiple of {self.accum}).")
+        if b // self.accum < dp:
+            raise MambacInputError(f"a micro-batch of {b // self.accum} rows (batch {b} / accum={self.accum}) leaves "
+                                   f"some of the dp={dp} data-parallel ranks without a row; pass a batch of at "
+                                   f"least {self.accum * dp} rows.")
 
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         """One optimiser step over ``accum`` micro-batches; returns the mean loss (every rank)."""
         self.check_batch(ids, labels)
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
-        for mid, mlab in zip(ids.chunk(self.accum), labels.chunk(self.accum)):
-            with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
-                loss = self.compiled(mid, mlab)
-            (loss.float() / self.accum).backward()
+        ddp = getattr(self.compiled, "__dict__", {}).get("_mambac_ddp")
+        for i, (mid, mlab) in enumerate(zip(ids.chunk(self.accum), labels.chunk(self.accum))):
+            # dp: gradients are summed over the replicas once, on the last micro-batch
+            last = ddp is None or i == self.accum - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
+                    loss = self.compiled(mid, mlab)
+                (loss.float() / self.accum).backward()
             total += float(loss.detach().float()) / self.accum
         self.step_count += 1
         bad = self._first_nonfinite(total)
@@ -122,7 +140,7 @@ class Trainer:
             self.skipped += 1
             return total
         if self.max_grad_norm is not None:
-            clip_grad_norm_(self.compiled, self.max_grad_norm)
+            self.grad_norm = float(clip_grad_norm_(self.compiled, self.max_grad_norm))
         self.opt.step()
         return total
 
@@ -143,80 +161,21 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def _entry(self, name: str, t: torch.Tensor):
-        setup = getattr(self.compiled, "rank_setup", None)
-        if setup is None or setup.plan.layout_of(name) is None:
-            return t.detach()
-        from mambac.runtime.checkpoint import _sharded_entry
-        return _sharded_entry(name, t, setup.plan.layout_of(name), self.compiled.mesh)
-
     def state(self) -> dict[str, Any]:
         """This rank's part of the checkpoint: parameters and moments as unsharded entries."""
-        out: dict[str, Any] = {"rng": torch.get_rng_state(), "step": torch.tensor(self.step_count),
-                               "skipped": torch.tensor(self.skipped)}
-        for name, p in self.params.items():
-            out[f"model/{name}"] = self._entry(name, p)
-            st = self.opt.state.get(p, {})
-            for m in _MOMENTS:
-                out[f"optim/{name}/{m}"] = self._entry(name, st[m] if m in st else torch.zeros_like(p))
-            out[f"optim/{name}/step"] = torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).reshape(())
-        return out
+        from mambac.trainer_checkpoint import trainer_state
+        return trainer_state(self)
 
     def save(self, root: str) -> str:
         """Write checkpoint ``root/step_N`` and point ``root/latest`` at it (collective)."""
-        import torch.distributed.checkpoint as dcp
-        final = os.path.join(root, f"step_{self.step_count}")
-        tmp = final + ".tmp"
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        _barrier()
-        with _quiet_single_process():
-            dcp.save(self.state(), checkpoint_id=tmp)
-        _fault_hook(f"after_write:{self.step_count}")
-        _barrier()
-        if rank0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            _write_atomic(os.path.join(root, "latest"), json.dumps({"step": self.step_count, "dir": os.path.basename(final)}))
-        _barrier()
-        return final
+        from mambac.trainer_checkpoint import save
+        return save(self, root)
 
     def load(self, root_or_dir: str) -> int:
-        """Resume from ``root/latest`` (or a ``step_N`` directory); returns the restored step."""
-        import torch.distributed.checkpoint as dcp
-        path = latest_checkpoint(root_or_dir) or root_or_dir
-        if not os.path.exists(os.path.join(path, ".metadata")):
-            raise MambacRuntimeError(f"no complete checkpoint at {root_or_dir!r}.")
-        full = self._empty_full()
-        with _quiet_single_process():
-            dcp.load(full, checkpoint_id=path)
-        setup = getattr(self.compiled, "rank_setup", None)
-
-        def local(name: str, t: torch.Tensor) -> torch.Tensor:
-            lay = None if setup is None else setup.plan.layout_of(name)
-            return t if lay is None else lay.local(t)
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(local(name, full[f"model/{name}"]))
-                self.opt.state[p] = {m: local(name, full[f"optim/{name}/{m}"]).to(p).clone() for m in _MOMENTS}
-                self.opt.state[p]["step"] = full[f"optim/{name}/step"].clone()
-        torch.set_rng_state(full["rng"])
-        self.step_count, self.skipped = int(full["step"]), int(full["skipped"])
-        return self.step_count
-
-    def _empty_full(self) -> dict[str, torch.Tensor]:
-        model = getattr(self.compiled, "original_module", self.compiled)
-        shapes = {n: p for n, p in model.named_parameters() if n in self.params}
-        out: dict[str, torch.Tensor] = {"rng": torch.get_rng_state(), "step": torch.tensor(0),
-                                        "skipped": torch.tensor(0)}
-        for name, p in shapes.items():
-            out[f"model/{name}"] = torch.empty(p.shape, dtype=torch.float32)
-            for m in _MOMENTS:
-                out[f"optim/{name}/{m}"] = torch.empty(p.shape, dtype=torch.float32)
-            out[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float32)
-        return out
+        """Resume from ``root/latest`` (or a ``step_N`` directory) at this trainer's layout, whatever
+        layout wrote it; returns the restored step (collective)."""
+        from mambac.trainer_checkpoint import load
+        return load(self, root_or_dir)
 
 
 def init_restartable_process_group(timeout_s: float = 60.0, backend: str = "gloo") -> None:
@@ -236,43 +195,3 @@ def init_restartable_process_group(timeout_s: float = 60.0, backend: str = "gloo
     store = dist.PrefixStore(f"mambac_attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", base)
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """The directory ``root/latest`` points at, or None when there is no complete checkpoint."""
-    pointer = os.path.join(root, "latest")
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as f:
-        return os.path.join(root, json.load(f)["dir"])
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """Silence torch.distributed.checkpoint's warning that it runs without a process group."""
-    with warnings.catch_warnings():
-        if not dist.is_initialized():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _fault_hook(point: str) -> None:
-    """Test hook: ``MAMBAC_TEST_KILL_AT=after_write:N`` SIGKILLs this process once the files of
-    checkpoint N are written but before it is committed (a crash mid-checkpoint)."""
-    if os.environ.get("MAMBAC_TEST_KILL_AT") == point:
-        import signal
-        os.kill(os.getpid(), signal.SIGKILL)

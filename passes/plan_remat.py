@@ -1,15 +1,19 @@
 """``plan_remat``: decide what autograd keeps for backward and what it recomputes, and put each
 recomputed region into the graph as one call to a checkpointed sub-graph.
 
-Needs: a lowered single-device graph with shapes (the last pass; ``ctx.options.remat`` is 'full'
-or 'auto', ``memory_budget`` in bytes for 'auto').  Analyses it with ``mambac.memory`` at the
-example shape (the inputs the program is lowered for).
+Needs: a lowered graph with shapes, one device's or one rank's (the last pass; ``ctx.options.remat``
+is 'full' or 'auto', ``memory_budget`` in bytes per rank for 'auto').  Analyses it with
+``mambac.memory`` at the example shape (the inputs the program is lowered for); on a rank of
+several the graph holds the rank's local (sharded) shapes, so the bytes are the rank's.
 Guarantees: the same function and, in fp32, bit-identical gradients (recomputation replays the
 same deterministic ops; autograd's graph keeps its shape); each recomputed region is a
 ``remat_*`` call_module node running a sub-GraphModule under non-reentrant
 ``torch.utils.checkpoint``, so only the region's inputs are kept; with 'auto' the predicted
 saved-for-backward bytes are at most the budget, or a ``MambacOptionsError`` names the least
-budget that can be met.  The chosen plan is left in ``gm.meta[MEMORY_PLAN]`` for
+budget that can be met.  No region holds a collective that communicates in its forward
+(``all_reduce``, ``all_gather``, ``all_gather_rs``, ``reduce_scatter``): regions end before and
+start after one, so backward never replays a collective and the collective's output is kept as the
+next region's input.  The chosen plan is left in ``gm.meta[MEMORY_PLAN]`` for
 ``mambac.memory.explain_memory``; counts go to ``ctx.stats['plan_remat']``.
 
 Segments: the residual blocks (the children of the model's layer list, e.g. ``backbone.layers.3``),
@@ -18,6 +22,7 @@ block whole.  'auto' offers, per segment: nothing; "cheap" regions (maximal runs
 matrix products: elementwise math, conv, norms, scans) added in order of cost per byte freed; the
 whole segment.  Choosing one option per segment at the least recompute time under the budget is a
 multiple-choice knapsack, solved exactly over Pareto fronts (see docs/passes/plan_remat.md).
+Under tensor parallelism a block is split at its collectives into several regions.
 """
 from __future__ import annotations
 
@@ -30,10 +35,11 @@ import torch.fx
 from torch.utils.checkpoint import checkpoint
 
 from mambac.errors import MambacOptionsError
-from mambac.ir import SOURCE, SourceInfo
+from mambac.ir import PLACEMENT, SOURCE, SourceInfo
 from mambac.memory import MEMORY_PLAN, MemoryModel, analyse, human, is_matmul
 from mambac.passes.context import PassContext
 from mambac.passes.rewrite import collapse_region
+from mambac.runtime.collectives import FORWARD_COMM, collective_name
 from mambac.verifier import verify as check_graph
 
 NAME = "plan_remat"
@@ -178,17 +184,38 @@ def region_from(name: str, nodes, kind: str, segment: str) -> RegionSpec | None:
                       segment=segment)
 
 
-def cheap_runs(gm: torch.fx.GraphModule, seg: Segment) -> list[list[torch.fx.Node]]:
-    """Maximal runs of the segment's nodes between matrix products (consecutive, hence convex)."""
+def communicates(n: torch.fx.Node) -> bool:
+    """Whether ``n`` is a collective that communicates in its forward (never recomputed).
+    ``grad_all_reduce`` (identity forward) and ``shard_slice`` (a local slice) may be recomputed:
+    their backward collectives run once, in autograd's backward, recomputed or not."""
+    from mambac.runtime.context_parallel import CP_FORMS  # context-parallel ops exchange state in forward
+    return collective_name(n) in FORWARD_COMM or (n.op == "call_function" and n.target in CP_FORMS)
+
+
+def split_runs(nodes, cut) -> list[list[torch.fx.Node]]:
+    """Maximal runs of consecutive ``nodes`` (hence convex) without a node for which ``cut`` holds."""
     runs, cur = [], []
-    for n in seg.nodes:
-        if is_matmul(gm, n):
+    for n in nodes:
+        if cut(n):
             runs.append(cur)
             cur = []
         else:
             cur.append(n)
     runs.append(cur)
     return [r for r in runs if r]
+
+
+def cheap_runs(gm: torch.fx.GraphModule, seg: Segment) -> list[list[torch.fx.Node]]:
+    """Maximal runs of the segment's nodes between matrix products and collectives."""
+    return split_runs(seg.nodes, lambda n: is_matmul(gm, n) or communicates(n))
+
+
+def whole_regions(seg: Segment) -> tuple[RegionSpec, ...]:
+    """The segment recomputed whole: one region, or one per run between forward collectives."""
+    runs = split_runs(seg.nodes, communicates)
+    names = [f"remat_{seg.tag}"] if len(runs) == 1 else [f"remat_{seg.tag}_part{i}" for i in range(len(runs))]
+    regions = (region_from(name, run, "full", seg.name) for name, run in zip(names, runs))
+    return tuple(r for r in regions if r is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,9 +247,9 @@ def segment_options(gm: torch.fx.GraphModule, model: MemoryModel, seg: Segment) 
     ladder = sorted((r for r in cheap if r is not None and gains[r.name][0] > 0),
                     key=lambda r: gains[r.name][1] / gains[r.name][0])
     options = [none] + [option(ladder[:k]) for k in range(1, len(ladder) + 1)]
-    whole = region_from(f"remat_{seg.tag}", seg.nodes, "full", seg.name)
-    if whole is not None:
-        options.append(option([whole]))
+    whole = whole_regions(seg)
+    if whole:
+        options.append(option(whole))
     return _pareto(options)
 
 
@@ -270,9 +297,8 @@ def choose_auto(gm: torch.fx.GraphModule, model: MemoryModel, budget: int | None
 
 
 def choose_full(gm: torch.fx.GraphModule) -> tuple[RegionSpec, ...]:
-    """Every residual block recomputed whole."""
-    regions = [region_from(f"remat_{s.tag}", s.nodes, "full", s.name) for s in find_segments(gm) if s.kind == "block"]
-    return tuple(r for r in regions if r is not None)
+    """Every residual block recomputed whole (split at its forward collectives)."""
+    return tuple(r for s in find_segments(gm) if s.kind == "block" for r in whole_regions(s))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +326,12 @@ def apply_plan(gm: torch.fx.GraphModule, plan: RematPlan, verify: bool = False) 
         nodes = [by_name[n] for n in spec.nodes]
         for n in nodes:
             n.meta[REMAT] = RematTag(spec.name)
+        members = set(nodes)
+        placements = [n.meta.get(PLACEMENT) for n in nodes if any(u not in members for u in n.users)]
         call = collapse_region(gm, nodes, spec.name, lambda body, s=spec: RematRegion(body, s), created_by=NAME)
+        for read in call.users:  # the region's outputs keep their placements (per-rank graphs)
+            if placements[read.args[1]] is not None:
+                read.meta[PLACEMENT] = placements[read.args[1]]
         if spec.segment not in ("stem", "head", "body"):
             for n in (call, *call.users):
                 n.meta[SOURCE] = SourceInfo(spec.segment, "RematRegion", NAME)
@@ -314,8 +345,6 @@ def plan_remat(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
     mode = getattr(opts, "remat", "none")
     if mode == "none":
         return gm
-    if ctx.world_size > 1:
-        raise MambacOptionsError(f"remat='{mode}' is only available at world_size=1 in this version of mambac.")
     plan = make_plan(gm, mode, getattr(opts, "memory_budget", None))
     apply_plan(gm, plan, ctx.verify)
     gm.meta[MEMORY_PLAN] = plan

@@ -264,7 +264,7 @@ def _rewrite_cross_entropy(st: _State, node: torch.fx.Node) -> None:
     kw = dict(node.kwargs)
     ignore = kw.get("ignore_index", -100)
     if kw.get("reduction", "mean") != "mean" or kw.get("weight") is not None or kw.get("label_smoothing", 0.0):
-        raise MambacPassError("cross_entropy under tensor/data parallelism supports reduction='mean' without "
+        raise MambacPassError("cross_entropy under tensor/data/context parallelism supports reduction='mean' without "
                               "class weights or label smoothing; compute other losses from the gathered logits.")
     vocab = st.effective(logits, "tp")
     tp_layout = st.plan.layout_of("lm_head.weight")
@@ -284,7 +284,7 @@ def _rewrite_cross_entropy(st: _State, node: torch.fx.Node) -> None:
 def _needs_parallel_ce(st: _State, node: torch.fx.Node) -> bool:
     if node.op != "call_function" or node.target is not F.cross_entropy:
         return False
-    return st.mesh.dp > 1 or isinstance(st.effective(node.args[0], "tp"), Shard)
+    return st.mesh.dp > 1 or st.mesh.cp > 1 or isinstance(st.effective(node.args[0], "tp"), Shard)
 
 
 def propagate_sharding(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

@@ -135,7 +135,7 @@ def _sharded_entry(key: str, local: torch.Tensor, layout, mesh):
     spec = mesh.spec
     shards, pos = [], 0
     for seg, base in zip(layout.segments, _segment_offsets(layout)):
-        mine = spec.dp_rank == 0 and (not seg.replicated or spec.tp_rank == 0)
+        mine = spec.dp_rank == 0 and spec.cp_rank == 0 and (not seg.replicated or spec.tp_rank == 0)
         if mine and seg.size:
             offsets = [0] * local.dim()
             offsets[layout.dim] = base + seg.start

@@ -17,11 +17,12 @@ process group the programs can still be lowered and printed for every rank
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable
 
 import torch
 
-from mambac.errors import MambacRuntimeError
+from mambac.errors import MambacInputError, MambacRuntimeError
 from mambac.knobs import knobs
 from mambac.lowering import Lowered, bind_inputs, lower, rank_setup, signature_of
 from mambac.options import CompileOptions
@@ -48,13 +49,37 @@ def _sum_hook(group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+# options that change what each rank computes or exchanges (the others may differ between ranks)
+_LAYOUT_FIELDS = ("world_size", "tp", "dp", "cp", "sequence_parallel", "remat", "memory_budget", "output", "plan",
+                  "cp_inputs")
+
+
+def check_same_config(model: torch.nn.Module, options: CompileOptions) -> None:
+    """Every rank must compile the same model with the same layout, or their collectives would not
+    match (a hang, or silently wrong numbers).  One small all-gather at compile time compares them;
+    on a mismatch every rank raises the same error naming the ranks and what differs."""
+    import hashlib
+    import torch.distributed as dist
+    shapes = "".join(f"{n}:{tuple(p.shape)}:{p.dtype};" for n, p in model.named_parameters())
+    mine = {"model": f"{type(model).__name__} {hashlib.sha256(shapes.encode()).hexdigest()[:12]}"}
+    mine.update({f: getattr(options, f) for f in _LAYOUT_FIELDS})
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = sorted({k for cfg in every for k in cfg if cfg[k] != every[0][k]})
+    if differ:
+        table = "; ".join(f"rank {r}: " + ", ".join(f"{k}={cfg[k]}" for k in differ) for r, cfg in enumerate(every))
+        raise MambacRuntimeError(f"the ranks compiled different configurations ({', '.join(differ)} differ): "
+                                 f"{table}. Every rank must call mambac.compile with the same model and options.")
+
+
 class CompiledModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, options: CompileOptions,
                  check_inputs: Callable[[list[Any]], None] | None = None) -> None:
         super().__init__()
         d = self.__dict__
         d.update(_mambac_model=model, _mambac_options=options, _mambac_programs={},
-                 _mambac_check_inputs=check_inputs, _mambac_mesh=None, _mambac_setup=None, _mambac_ddp=None)
+                 _mambac_check_inputs=check_inputs, _mambac_mesh=None, _mambac_setup=None, _mambac_ddp=None,
+                 _mambac_current=None)
         target = model
         if options.world_size > 1:
             from mambac.runtime.mesh import make_mesh, offline_spec
@@ -66,11 +91,17 @@ class CompiledModule(torch.nn.Module):
         self._modules = target._modules
         self._parameters = target._parameters
         self._buffers = target._buffers
-        if d["_mambac_mesh"] is not None and options.dp > 1:
+        if d["_mambac_mesh"] is not None:
+            check_same_config(model, options)
+        if d["_mambac_mesh"] is not None and options.dp * options.cp > 1:
+            # gradients summed over the replicas of each shard: the dp ranks and the cp ranks
             from torch.nn.parallel import DistributedDataParallel
+            group = d["_mambac_mesh"].replica_group
             runner = _Runner(target, self._run_values)
-            ddp = DistributedDataParallel(runner, process_group=d["_mambac_mesh"].dp_group, broadcast_buffers=False)
-            ddp.register_comm_hook(d["_mambac_mesh"].dp_group, _sum_hook)
+            with warnings.catch_warnings():  # newer torch renames broadcast_buffers; the meaning is ours
+                warnings.simplefilter("ignore", FutureWarning)
+                ddp = DistributedDataParallel(runner, process_group=group, broadcast_buffers=False)
+            ddp.register_comm_hook(group, _sum_hook)
             d["_mambac_ddp"] = ddp
 
     @property
@@ -99,11 +130,19 @@ class CompiledModule(torch.nn.Module):
     def program_for(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower (or fetch) the program for this call's signature without running it."""
         values = bind_inputs(self.original_module, args, kwargs)
-        key = signature_of(values)
+        length = None
+        if self.options.cp > 1:
+            from mambac.lowering import cp_pieces
+            values, length = cp_pieces(values, self.rank_setup.mesh.cp_rank, self.options.cp)
+        return self._program(values, length)
+
+    def _program(self, values: list[Any], length: int | None) -> Lowered:
+        """The program for these bound inputs (this rank's pieces and the whole length under cp)."""
+        key = signature_of(values) + ((length,) if length is not None else ())
         if key not in self.programs:
             log.info("lowering %s for signature %s", type(self.original_module).__name__, key)
             rank = self.mesh.rank if self.mesh is not None else 0
-            self.programs[key] = lower(self.original_module, values, self.options, rank, self.rank_setup)
+            self.programs[key] = lower(self.original_module, values, self.options, rank, self.rank_setup, length)
         return self.programs[key]
 
     def program_for_rank(self, rank: int, *args: Any, **kwargs: Any) -> Lowered:
@@ -117,11 +156,17 @@ class CompiledModule(torch.nn.Module):
             return self.program_for(*args, **kwargs)
         values = bind_inputs(self.original_module, args, kwargs)
         setup = rank_setup(self.original_module, opts, offline_spec(opts, rank)) if opts.world_size > 1 else None
-        return lower(self.original_module, values, opts, rank, setup)
+        length = None
+        if opts.cp > 1:
+            from mambac.lowering import cp_pieces
+            values, length = cp_pieces(values, setup.mesh.cp_rank, opts.cp)
+        return lower(self.original_module, values, opts, rank, setup, length)
 
     def _run_values(self, values) -> Any:
-        program = self.program_for(*values)
-        return program.gm(*values)
+        program = self.__dict__["_mambac_current"] or self.program_for(*values)
+        from mambac.ops import use_kernels
+        with use_kernels(self.options.kernels):  # generated kernels or reference ops
+            return program.gm(*values)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = bind_inputs(self.original_module, args, kwargs)
@@ -131,7 +176,9 @@ class CompiledModule(torch.nn.Module):
         if self.options.world_size > 1:
             return self._forward_distributed(values)
         program = self.program_for(*args, **kwargs)
-        return program.gm(*values)
+        from mambac.ops import use_kernels
+        with use_kernels(self.options.kernels):  # generated kernels or reference ops
+            return program.gm(*values)
 
     def _forward_distributed(self, values: list[Any]) -> Any:
         if self.mesh is None:
@@ -143,9 +190,36 @@ class CompiledModule(torch.nn.Module):
         if knobs().debug:
             from mambac.runtime.checkpoint import check_same_inputs
             check_same_inputs(values, self.mesh.rank)
-        self.program_for(*values)  # lower before DDP's forward hooks run
-        ddp = self.__dict__["_mambac_ddp"]
-        return ddp(*values) if ddp is not None else self._run_values(values)
+        length = None
+        if self.options.cp > 1:
+            values, length = self._cp_inputs(values)
+        self.__dict__["_mambac_current"] = self._program(values, length)  # lower before DDP's hooks run
+        try:
+            ddp = self.__dict__["_mambac_ddp"]
+            return ddp(*values) if ddp is not None else self._run_values(values)
+        finally:
+            self.__dict__["_mambac_current"] = None
+
+    def _cp_inputs(self, values: list[Any]) -> tuple[list[Any], int]:
+        """This rank's pieces of the sequence inputs and the whole length (context parallelism)."""
+        from mambac.lowering import cp_pieces, sequence_length
+        spec = self.mesh.spec
+        if self.options.cp_inputs == "full":
+            return cp_pieces(values, spec.cp_rank, spec.cp)
+        import torch.distributed as dist
+        from mambac.runtime.collectives import split_sizes
+        mine = torch.tensor([sequence_length(values)], dtype=torch.int64,
+                            device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        every = [torch.zeros_like(mine) for _ in range(spec.cp)]
+        dist.all_gather(every, mine, group=self.mesh.cp_group)
+        lengths = [int(t.item()) for t in every]
+        if lengths != split_sizes(sum(lengths), spec.cp):
+            raise MambacInputError(
+                f"cp_inputs='local': the cp ranks passed pieces of {lengths} tokens; mambac expects pieces in rank "
+                f"order of {split_sizes(sum(lengths), spec.cp)} for a sequence of {sum(lengths)} (the first ranks one "
+                "longer when cp does not divide the length). Cut the sequence that way, or pass the whole sequence "
+                "with cp_inputs='full'.")
+        return values, sum(lengths)
 
     # ---- unsharded state dicts --------------------------------------------------------------
 

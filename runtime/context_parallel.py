@@ -11,9 +11,10 @@ ops that look back along the sequence need what the earlier ranks saw:
   Each rank scans its piece from a zero state, giving its final state S_j and the total log-decay
   of its piece (fp32).  One all-gather of these summaries (size independent of L) and a local
   exclusive prefix combine
-  ``S_in(r) = sum_{j<r} exp(ld_{j+1} + ... + ld_{r-1}) S_j`` give rank r its incoming state; a
-  second scan of the piece from ``S_in`` gives the output.  The second pass doubles the scan's
-  compute per rank, and is exact by construction (it is the op itself, with its initial state).
+  ``S_in(r) = sum_{j<r} exp(ld_{j+1} + ... + ld_{r-1}) S_j`` give rank r its incoming state.
+  SSD then corrects its zero-start output, y += exp(cum_t) C_t S_in (a matmul of the piece's C with
+  the state, cheaper than a scan); the other scans run a second pass of the piece from ``S_in``
+  (exact by construction: it is the op itself, with its initial state; it doubles their compute).
   Mamba-3 carries angle, ssm state, last key and last value: ``_mamba3_incoming`` composes them
   (angles add, keys and states rotate by the incoming angle, the pair before a piece's first step
   enters its state with weight (1 - lam_0) dt_0).
@@ -100,21 +101,50 @@ def cp_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], activati
     return torch.ops.mambac.causal_conv1d(x, weight, bias, halo.contiguous(), activation)
 
 
-# ---- SSD (Mamba-2): state passing ---------------------------------------------------------------
+# ---- SSD (Mamba-2): state passing with an output correction -------------------------------------
+
+def ssd_summaries(dt: Tensor, A: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float,
+                  dt_max: float, ct: torch.dtype) -> Tensor:
+    """Inclusive cumulative log-decay of every step of this piece, (b, l_r, h) in ``ct``; its last
+    step is the piece's total log-decay, the summary that travels with the final state."""
+    from mambac.ops.ssd import process_dt
+    return torch.cumsum(process_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, ct) * A.to(ct), dim=1)
+
+
+def ssd_correction(y0: Tensor, C: Tensor, cum: Tensor, s_in: Tensor, z: Optional[Tensor]) -> Tensor:
+    """The output of a piece that starts from ``s_in`` instead of zero: y0 + exp(cum_t) C_t S_in,
+    then the z gate.  ``y0`` (b, l, h, p) is the zero-start output with the D skip, ungated."""
+    b, l, h, p = y0.shape
+    g = C.shape[2]
+    ct = s_in.dtype
+    s = s_in.reshape(b, g, h // g, p, s_in.shape[-1])
+    mm_dtype = ct if y0.dtype in (torch.float32, torch.float64) else y0.dtype   # half inputs: half matmul
+    corr = torch.einsum("blgn,bgkpn->blgkp", C.to(mm_dtype), s.to(mm_dtype)).reshape(b, l, h, p)
+    y = y0.to(ct) + corr.to(ct) * torch.exp(cum).unsqueeze(-1)
+    if z is not None:
+        y = y * torch.nn.functional.silu(z.to(ct))
+    return y.to(y0.dtype)
+
 
 def cp_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
            dt_bias: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float,
            rank: int, world: int, group: str) -> tuple[Tensor, Tensor]:
-    """SSD of this rank's piece (x (b, l_r, h, p)); the incoming state comes from the earlier ranks."""
-    from mambac.ops.ssd import process_dt
+    """SSD of this rank's piece (x (b, l_r, h, p)); the incoming state comes from the earlier ranks.
+
+    One zero-start scan gives the output y0 (D skip included, ungated) and the final state; the
+    incoming state S_in then enters linearly: y = y0 + exp(cum_t) C_t S_in (gated by z after), and
+    final = final0 + exp(total) S_in.  No second scan."""
     ct = _state_dtype(x)
-    _, local = torch.ops.mambac.ssd(x, dt, A, B, C, None, None, dt_bias, None, chunk_size, dt_softplus,
-                                    dt_min, dt_max)
-    log_decay = process_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, ct).sum(1) * A.to(ct)   # (b, h)
+    y0, local = torch.ops.mambac.ssd(x, dt, A, B, C, D, None, dt_bias, None, chunk_size, dt_softplus,
+                                     dt_min, dt_max)
+    cum = ssd_summaries(dt, A, dt_bias, dt_softplus, dt_min, dt_max, ct)
+    log_decay = cum[:, -1]                                                                  # (b, h)
     gathered = exchange(_pack(local.to(ct), log_decay), rank, world, group)
     states, decays = _unpack(gathered, (local, log_decay))
     s_in = anchored(incoming_state(states, decays, rank), gathered)
-    return torch.ops.mambac.ssd(x, dt, A, B, C, D, z, dt_bias, s_in, chunk_size, dt_softplus, dt_min, dt_max)
+    y = ssd_correction(y0, C, cum, s_in, z)
+    final = local.to(ct) + torch.exp(log_decay)[..., None, None] * s_in
+    return y, final.to(local.dtype)
 
 
 # ---- selective scan (Mamba-1): state passing ----------------------------------------------------
@@ -215,3 +245,22 @@ def cp_mamba3_mimo(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, adt: Tensor, tra
     ssm = anchored(ssm, packed)
     return torch.ops.mambac.mamba3_mimo(x, B, C, dt, adt, trap, angles, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
                                         D, z, phi, ssm, k, v, chunk_size)
+
+
+# ---- payload (for ``mambac explain``) ---------------------------------------------------------------
+
+CP_FORMS = (cp_causal_conv1d, cp_ssd, cp_selective_scan, cp_mamba3_siso, cp_mamba3_mimo)
+
+
+def exchange_bytes(form, inputs: tuple, outputs: tuple, world: int) -> int:
+    """Bytes one call of a context-parallel form gathers (forward; its backward reduce-scatters as
+    many): every rank's carried state (the form's outputs after the first), plus the total decays
+    of the scans (and Mamba-3's boundary weights), fp32 except the conv halo (the input's dtype)."""
+    carried = sum(t.numel() for t in outputs[1:])
+    if form is cp_causal_conv1d:
+        return world * carried * inputs[0].element_size()
+    if form is cp_selective_scan:
+        return world * 2 * carried * 4                       # state and log-decay, both (b, d, n)
+    b, h = outputs[1].shape[0], outputs[1].shape[1]
+    per_head = 1 if form is cp_ssd else 2                     # log-decay (+ boundary weight)
+    return world * (carried + per_head * b * h) * 4

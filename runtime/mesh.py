@@ -1,9 +1,11 @@
-"""Process groups and the device mesh (dp x tp) a compiled module runs on.
+"""Process groups and the device mesh (dp x cp x tp) a compiled module runs on.
 
 mambac uses ``torch.distributed`` as it is: the process group is the one the launcher
 (``torchrun`` or ``mambac run``) set up, or one mambac initialises from the launcher's environment
-(gloo on CPU, NCCL on GPU) with the requested timeout.  Ranks are laid out dp-major, so the tp ranks
-of one data-parallel replica are consecutive (``torch.distributed.device_mesh.init_device_mesh``).
+(gloo on CPU, NCCL on GPU) with the requested timeout.  Ranks are laid out dp-major, then cp, then
+tp: rank = (dp_rank * cp + cp_rank) * tp + tp_rank, so the tp ranks of one sequence piece are
+consecutive (``torch.distributed.device_mesh.init_device_mesh`` over (dp, cp, tp)).  Parameter
+gradients are summed over the *replica* group: the ranks that hold the same tp shard (dp x cp).
 """
 from __future__ import annotations
 
@@ -56,18 +58,20 @@ class RankMesh:
     tp_group: object
     dp_group: object
     device_mesh: object
+    cp_group: object = None
+    replica_group: object = None   # dp x cp: the ranks holding the same parameter shards
 
 
-def coordinates(rank: int, tp: int) -> tuple[int, int]:
-    """(dp rank, tp rank) of a global rank: dp-major, tp ranks consecutive."""
-    return rank // tp, rank % tp
+def coordinates(rank: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(dp rank, tp rank, cp rank) of a global rank: dp-major, then cp, tp ranks consecutive."""
+    return rank // (tp * cp), rank % tp, (rank // tp) % cp
 
 
 def offline_spec(options, rank: int) -> MeshSpec:
     """The mesh spec of ``rank`` when lowering without process groups (group names are labels)."""
-    dp_rank, tp_rank = coordinates(rank, options.tp)
-    return MeshSpec(dp=options.dp, tp=options.tp, dp_rank=dp_rank, tp_rank=tp_rank,
-                    sequence_parallel=options.sequence_parallel, output=options.output)
+    dp_rank, tp_rank, cp_rank = coordinates(rank, options.tp, options.cp)
+    return MeshSpec(dp=options.dp, tp=options.tp, dp_rank=dp_rank, tp_rank=tp_rank, cp=options.cp,
+                    cp_rank=cp_rank, sequence_parallel=options.sequence_parallel, output=options.output)
 
 
 def make_mesh(options) -> RankMesh | None:
@@ -82,11 +86,26 @@ def make_mesh(options) -> RankMesh | None:
                                  f"ranks; pass world_size={world} (or launch {options.world_size} processes).")
     from torch.distributed.device_mesh import init_device_mesh
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device, (options.dp, options.tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device, (options.dp, options.cp, options.tp), mesh_dim_names=("dp", "cp", "tp"))
     rank = dist.get_rank()
-    tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
-    dp_rank, tp_rank = coordinates(rank, options.tp)
+    tp_group, dp_group, cp_group = mesh.get_group("tp"), mesh.get_group("dp"), mesh.get_group("cp")
+    dp_rank, tp_rank, cp_rank = coordinates(rank, options.tp, options.cp)
     spec = MeshSpec(dp=options.dp, tp=options.tp, dp_rank=dp_rank, tp_rank=tp_rank,
                     dp_group=dp_group.group_name, tp_group=tp_group.group_name,
-                    sequence_parallel=options.sequence_parallel, output=options.output)
-    return RankMesh(spec=spec, rank=rank, tp_group=tp_group, dp_group=dp_group, device_mesh=mesh)
+                    sequence_parallel=options.sequence_parallel, output=options.output,
+                    cp=options.cp, cp_rank=cp_rank, cp_group=cp_group.group_name)
+    replica = dp_group if options.cp == 1 else cp_group if options.dp == 1 else _replica_group(options, rank)
+    return RankMesh(spec=spec, rank=rank, tp_group=tp_group, dp_group=dp_group, device_mesh=mesh,
+                    cp_group=cp_group, replica_group=replica)
+
+
+def _replica_group(options, rank: int):
+    """The group of ranks with this rank's tp coordinate (dp x cp of them).  Every rank creates
+    every such group, in the same order, as ``new_group`` requires."""
+    mine = None
+    for t in range(options.tp):
+        ranks = [(d * options.cp + c) * options.tp + t for d in range(options.dp) for c in range(options.cp)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine

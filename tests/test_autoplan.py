@@ -72,10 +72,17 @@ def test_small_model_prefers_data_parallelism():
 def test_remat_chosen_only_when_needed():
     cost = analytic(130e6)
     roomy = plan(cost, world_size=1, device_memory=80 * GiB, batch=4, seqlen=4096)
-    assert roomy[0].layout.remat == "none"
+    assert roomy[0].layout.remat == "none" and roomy[0].memory_budget is None
+    assert "nothing to recompute" in {r.layout.remat: r for r in roomy if not r.feasible}["auto"].reason
     need = evaluate(cost, Layout(), 4, 4096, H200, 1e30).memory
     tight = plan(cost, world_size=1, device_memory=need * 0.7, batch=4, seqlen=4096)
-    assert tight[0].layout.remat == "full" and tight[0].memory <= need * 0.7
+    best = tight[0]
+    # 'auto' keeps what fits and is charged only part of full remat's recompute
+    assert best.layout.remat == "auto" and best.memory == pytest.approx(need * 0.7, rel=1e-6)
+    assert best.memory_budget == int(need * 0.7 - best.weights)
+    full = next(r for r in tight if r.layout.remat == "full")
+    assert full.feasible and full.step_s > best.step_s > roomy[0].step_s
+    assert "memory_budget=" in format_table(tight).splitlines()[2]
 
 
 def test_impossible_limit_names_the_smallest_figure():
@@ -151,3 +158,88 @@ def test_cli_prints_the_table(capsys):
     assert "tp" in out.splitlines()[0] and "fits" in out
     assert main(["plan", "mamba2-tiny", "--world-size", "2", "--device-memory", "1KiB"]) == 2
     assert "smallest" in capsys.readouterr().err
+
+
+# ---- mambac.compile(..., plan="auto") -----------------------------------------------------------
+
+def _rows(cost, world, batch, seqlen):
+    return rank_layouts(cost, world, 1e30, batch, seqlen, CPU)
+
+
+def test_plan_auto_gives_tp_to_a_model_too_large_for_one_device(tiny, caplog):
+    model, cost = tiny
+    rows = _rows(cost, 2, 2, 8)
+    weights_tp1 = min(r.weights for r in rows if r.layout.tp == 1)
+    limit = int(0.8 * weights_tp1)   # weights, gradients and AdamW state alone overflow one device
+    assert any(r.layout.tp == 2 and r.memory <= limit for r in rows)
+    with caplog.at_level("INFO", logger="mambac.plan"):
+        compiled = mambac.compile(model, world_size=2, plan="auto", device_memory=limit, batch=2, seqlen=8)
+    opts = compiled.options
+    assert opts.tp == 2 and opts.dp == 1 and opts.plan == ()
+    assert (opts.device_memory, opts.batch, opts.seqlen) == (limit, 2, 8)
+    assert "plan='auto'" in caplog.text and "tp=2" in caplog.text
+
+
+def test_plan_auto_recomputes_when_memory_is_tight_and_meets_its_budget(tiny):
+    import torch
+    from mambac.memory import MEMORY_PLAN, measure_saved
+    model, cost = tiny
+    none, full = (evaluate(cost, Layout(remat=m), 4, 64, CPU, 1e30) for m in ("none", "full"))
+    limit = int((none.memory + full.memory) / 2)
+    ids, labels = torch.randint(0, 37, (4, 64)), torch.randint(0, 37, (4, 64))
+    compiled = mambac.compile(model, plan="auto", device_memory=f"{limit}B", example_inputs=(ids, labels))
+    opts = compiled.options
+    assert (opts.remat, opts.batch, opts.seqlen, opts.world_size) == ("auto", 4, 64, 1)
+    assert opts.memory_budget == int(limit - none.weights)
+    plan_ = compiled.program_for(ids, labels).gm.meta[MEMORY_PLAN]
+    got = measure_saved(compiled, ids, labels, exclude=[*model.parameters(), ids, labels]).nbytes
+    assert plan_.regions and got <= opts.memory_budget < plan_.baseline
+    assert abs(got - plan_.predicted) <= 0.1 * got
+
+
+def test_plan_auto_picks_context_parallelism_for_a_batch_of_one(tiny):
+    model, cost = tiny
+    rows = plan(cost, world_size=2, device_memory=80 * GiB, batch=1, seqlen=64, device=CPU)
+    assert rows[0].layout.cp == 2, format_table(rows)   # a batch of one: the sequence is what splits
+    compiled = mambac.compile(model, world_size=2, plan="auto", device_memory=80 * GiB, batch=1, seqlen=64)
+    assert (compiled.options.cp, compiled.options.tp) == (2, 1)
+
+
+def test_plan_auto_skips_layouts_compile_cannot_run(tiny, monkeypatch, caplog):
+    from mambac.options import CompileOptions
+    model, cost = tiny
+    rows = plan(cost, world_size=2, device_memory=80 * GiB, batch=1, seqlen=64, device=CPU)
+    real = CompileOptions._validate
+
+    def no_cp(self):
+        if self.cp > 1:
+            raise MambacOptionsError("cp is not available here")
+        real(self)
+
+    monkeypatch.setattr(CompileOptions, "_validate", no_cp)
+    with caplog.at_level("INFO", logger="mambac.plan"):
+        compiled = mambac.compile(model, world_size=2, plan="auto", device_memory=80 * GiB, batch=1, seqlen=64)
+    best = next(r.layout for r in rows if r.feasible and r.layout.cp == 1)
+    opts = compiled.options
+    assert (opts.tp, opts.cp, opts.dp, opts.sequence_parallel, opts.remat) == (
+        best.tp, best.cp, best.dp, best.sequence_parallel, best.remat)
+    assert "skipped" in caplog.text
+
+
+def test_plan_auto_errors_say_what_to_pass(tiny, monkeypatch):
+    import torch
+    from mambac.options import CompileOptions
+    model, _ = tiny
+    with pytest.raises(MambacOptionsError, match="plan='auto' chooses .*drop tp"):
+        mambac.compile(model, plan="auto", tp=1, device_memory=GiB, batch=2, seqlen=8)
+    with pytest.raises(MambacOptionsError, match="batch= and seqlen="):
+        mambac.compile(model, plan="auto", device_memory=GiB)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MambacOptionsError, match="device_memory="):
+        mambac.compile(model, plan="auto", batch=2, seqlen=8)
+    with pytest.raises(MambacOptionsError, match="plan='auto' only"):
+        mambac.compile(model, batch=2)
+    with pytest.raises(MambacOptionsError, match="needs the model"):
+        CompileOptions.create(plan="auto")
+    with pytest.raises(MambacOptionsError, match="smallest"):
+        mambac.compile(model, plan="auto", device_memory="1KiB", batch=2, seqlen=8)

@@ -26,6 +26,18 @@ def test_train_tensor_parallel_two_ranks(tmp_path):
     save = tmp_path / "full.pt"
     out = _run("-m", "mambac.cli", "run", "-n", "2", "--timeout", "240", "examples/train_tensor_parallel.py",
                "--steps", "3", "--sequence-parallel", "--save", str(save))
-    assert "world 2 (tp=2, dp=1)" in out
+    assert "world 2 (tp=2, dp=1, cp=1)" in out
     import torch
     assert "lm_head.weight" in torch.load(save)
+
+
+def test_train_tensor_by_context_parallel_four_ranks():
+    out = _run("-m", "mambac.cli", "run", "-n", "4", "--timeout", "240", "examples/train_tensor_parallel.py",
+               "--steps", "3", "--tp", "2", "--cp", "2")
+    assert "world 4 (tp=2, dp=1, cp=2)" in out
+
+
+def test_train_long_context_two_ranks():
+    out = _run("-m", "mambac.cli", "run", "-n", "2", "--timeout", "240", "examples/train_long_context.py",
+               "--seqlen", "2048", "--steps", "2")
+    assert "cp=2" in out and "saved activations per rank" in out

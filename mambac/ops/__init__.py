@@ -14,3 +14,11 @@ from mambac.ops.mamba3_siso import Mamba3State, mamba3_siso  # noqa: E402
 from mambac.ops.mamba3_mimo import mamba3_mimo  # noqa: E402
 
 __all__ += ["Mamba3State", "mamba3_siso", "mamba3_mimo"]
+from mambac.ops._common import (KERNEL_MODES, kernel_mode, kernels_enabled,  # noqa: E402
+                                register_device_kernels, registered_device_kernels,
+                                unregister_device_kernels, use_kernels)
+
+__all__ += ["KERNEL_MODES", "kernel_mode", "kernels_enabled", "register_device_kernels",
+            "registered_device_kernels", "unregister_device_kernels", "use_kernels"]
+from mambac.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+__all__ += ["linear_cross_entropy"]

@@ -9,15 +9,33 @@ kernels (Triton, see ``mambac.codegen``) replace the per-device implementation, 
 
 Invariant: an op's reference is the single source of truth; fake (meta) functions only describe
 shapes and dtypes and must agree with the reference on every output.
+
+Device kernels (``register_device_kernels``): generated kernels register a forward, a backward
+and a ``supports`` predicate per op and device.  Every op's eager implementation for CPU and CUDA
+tensors goes through a small dispatcher that runs the registered forward when the kernel mode
+allows it (``use_kernels`` / ``kernel_mode``; 'auto' = kernels on CUDA, 'triton' = also CPU
+tensors under ``TRITON_INTERPRET=1``, 'reference' = never) and ``supports(*args)`` is true, and
+the op's own implementation otherwise; the autograd rule does the same for the backward, with the
+mode that was in force when the forward ran.  Kernels are registered on first use: the dispatcher
+imports ``mambac.codegen.wiring`` (and every ``mambac.codegen.*_wiring`` module) the first time a
+call could use them, so CPU-only processes in 'auto' mode never load them.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import importlib
+import logging
+import os
+import pkgutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from mambac.errors import MambacInputError
+
+log = logging.getLogger("mambac.ops")
 
 
 @dataclass(frozen=True)
@@ -81,18 +99,30 @@ def register_recompute_autograd(op: Any, reference: Callable[..., Any], n_output
     """Give ``op`` an autograd rule that differentiates ``reference`` by recomputation.
 
     Tensor inputs are saved (not the outputs); non-tensor inputs ride on ``ctx``.  Gradients of
-    outputs that the caller did not use arrive as ``None`` and are skipped.
+    outputs that the caller did not use arrive as ``None`` and are skipped.  When device kernels
+    with a backward are registered for the op and may run (see the module docstring), they give
+    the gradients instead.  Also installs the forward dispatcher (``_install_dispatch``).
     """
+    name = _op_name(op)
+    _install_dispatch(op, name)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
         ctx.tensor_pos = tensor_pos
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+        ctx.kernel_mode = kernel_mode()
         ctx.save_for_backward(*[inputs[i] for i in tensor_pos])
 
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         saved = ctx.saved_tensors
         args = list(ctx.others)
+        for pos, t in zip(ctx.tensor_pos, saved):
+            args[pos] = t
+        if not any(ctx.needs_input_grad):
+            return (None,) * len(args)
+        kset = _usable(name, args, ctx.kernel_mode, need_backward=True)
+        if kset is not None:
+            return _kernel_backward(kset, args, grads, tuple(ctx.needs_input_grad))
         wants = []
         for pos, t in zip(ctx.tensor_pos, saved):
             need = ctx.needs_input_grad[pos] and t.is_floating_point()
@@ -117,6 +147,179 @@ def register_recompute_autograd(op: Any, reference: Callable[..., Any], n_output
         return tuple(result)
 
     op.register_autograd(backward, setup_context=setup_context)
+
+
+# ---- device kernels -----------------------------------------------------------------------------
+
+KERNEL_MODES = ("auto", "triton", "reference")
+KERNEL_DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class DeviceKernels:
+    """The kernels one op has on one device (see ``register_device_kernels``)."""
+
+    name: str
+    device: str
+    forward: Callable[..., Any] | None
+    backward: Callable[[list, tuple, tuple], tuple] | None
+    supports: Callable[..., bool] | None
+
+
+_DEVICE_KERNELS: dict[tuple[str, str], DeviceKernels] = {}
+_MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("mambac_kernel_mode", default=None)
+_PROVIDERS_LOADED = False
+
+
+def register_device_kernels(name: str, device: str = "cuda", *, forward: Callable[..., Any] | None = None,
+                            backward: Callable[[list, tuple, tuple], tuple] | None = None,
+                            supports: Callable[..., bool] | None = None) -> None:
+    """Register kernels for op ``name`` on ``device`` (re-registering replaces them).
+
+    ``forward(*args)`` takes the op's schema arguments and returns what the reference returns;
+    ``backward(args, grads, needs_input_grad)`` returns one gradient (or None) per argument;
+    ``supports(*args)`` says whether the kernels take these inputs (default: no float64 tensor).
+    Kernels registered for "cuda" also serve CPU tensors in mode 'triton' under TRITON_INTERPRET=1.
+    """
+    if name not in _REGISTRY:
+        raise MambacInputError(f"register_device_kernels: no op named {name!r}; known ops: "
+                               f"{', '.join(sorted(_REGISTRY))}.")
+    if device not in KERNEL_DEVICES:
+        raise MambacInputError(f"register_device_kernels: device must be one of {KERNEL_DEVICES}, got {device!r}.")
+    if forward is None and backward is None:
+        raise MambacInputError(f"register_device_kernels({name!r}): give a forward, a backward or both.")
+    _DEVICE_KERNELS[(name, device)] = DeviceKernels(name, device, forward, backward, supports)
+
+
+def unregister_device_kernels(name: str, device: str = "cuda") -> None:
+    """Forget the kernels of ``name`` on ``device`` (the reference runs again)."""
+    _DEVICE_KERNELS.pop((name, device), None)
+
+
+def registered_device_kernels() -> dict[tuple[str, str], DeviceKernels]:
+    """Every registration, keyed by (op name, device); loads the kernel providers first."""
+    _load_providers()
+    return dict(_DEVICE_KERNELS)
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise MambacInputError(f"kernel mode must be one of {KERNEL_MODES}, got {mode!r} "
+                               "(MAMBAC_KERNELS or compile(kernels=...)).")
+    return mode
+
+
+def kernel_mode() -> str:
+    """The mode in force: the innermost ``use_kernels``, where 'auto' defers to MAMBAC_KERNELS."""
+    from mambac.knobs import knobs
+    mode = _MODE.get()
+    if mode is None or mode == "auto":
+        return _check_mode(knobs().kernels)
+    return mode
+
+
+@contextlib.contextmanager
+def use_kernels(mode: str) -> Iterator[None]:
+    """Run the block with generated kernels in ``mode``: 'auto' | 'triton' | 'reference'."""
+    token = _MODE.set(_check_mode(mode))
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _device_allowed(device_type: str, mode: str) -> bool:
+    if mode == "reference":
+        return False
+    if device_type == "cuda":
+        return True
+    return device_type == "cpu" and mode == "triton" and interpreting()
+
+
+def kernels_enabled(device: str | torch.device | None = None) -> bool:
+    """Whether generated kernels may run now for tensors on ``device`` (default: CUDA if present,
+    else the CPU); inputs a kernel does not support still take the reference."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _device_allowed(torch.device(device).type, kernel_mode())
+
+
+def _load_providers() -> None:
+    """Import the modules that register generated kernels (once per process)."""
+    global _PROVIDERS_LOADED
+    if _PROVIDERS_LOADED:
+        return
+    _PROVIDERS_LOADED = True
+    try:
+        pkg = importlib.import_module("mambac.codegen")
+        names = ["mambac.codegen.wiring"] + sorted(
+            f"mambac.codegen.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)
+            if m.name.endswith("_wiring"))
+    except Exception as exc:  # no codegen package: the references run
+        log.warning("generated kernels unavailable (%r); using reference ops", exc)
+        return
+    for mod in names:
+        try:
+            importlib.import_module(mod)
+        except Exception as exc:
+            log.warning("kernel provider %s failed to load (%r); its ops use the reference", mod, exc)
+
+
+def _first_device(args: Sequence[Any]) -> str | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    return None
+
+
+def _usable(name: str, args: Sequence[Any], mode: str, need_backward: bool = False) -> DeviceKernels | None:
+    """The registration whose kernels should run for these arguments, or None for the reference."""
+    dev = _first_device(args)
+    if dev is None or not _device_allowed(dev, mode):
+        return None
+    _load_providers()
+    kset = _DEVICE_KERNELS.get((name, dev)) or (_DEVICE_KERNELS.get((name, "cuda")) if dev == "cpu" else None)
+    if kset is None or (kset.backward if need_backward else kset.forward) is None:
+        return None
+    if kset.supports is not None:
+        ok = kset.supports(*args)
+    else:
+        ok = not any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args)
+    return kset if ok else None
+
+
+def _kernel_backward(kset: DeviceKernels, args: list, grads: tuple, needs: tuple) -> tuple:
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    with torch.no_grad():
+        got = tuple(kset.backward(detached, grads, needs))
+    if len(got) != len(args):
+        raise RuntimeError(f"backward kernel of {kset.name} returned {len(got)} gradients for "
+                           f"{len(args)} arguments")
+    return tuple(g if need else None for g, need in zip(got, needs))
+
+
+def _op_name(op: Any) -> str:
+    return str(getattr(op, "_name", None) or getattr(op, "__name__", "")).split("::")[-1]
+
+
+def _install_dispatch(op: Any, name: str) -> None:
+    """Route ``op``'s CPU and CUDA implementation through the registered device kernels."""
+    impl = getattr(op, "_init_fn", None)
+    if impl is None or not hasattr(op, "register_kernel"):
+        return
+
+    def dispatch(*args: Any) -> Any:
+        kset = _usable(name, args, kernel_mode())
+        if kset is None:
+            return impl(*args)
+        return kset.forward(*args)
+
+    op.register_kernel(KERNEL_DEVICES)(dispatch)
 
 
 def check(cond: bool, op: str, message: str) -> None:

@@ -52,3 +52,10 @@ def test_launch_command_and_errors(tmp_path):
         torchrun_command(2, str(tmp_path / "missing.py"))
     with pytest.raises(MambacInputError, match="positive"):
         torchrun_command(0, str(SCRIPT))
+
+
+def test_mismatched_configurations_fail_at_compile_on_every_rank():
+    results = run_ranks(2, "mismatch", timeout=90)
+    errors = [r["error"] for r in results]
+    assert errors[0] == errors[1] != ""
+    assert "cp, tp differ" in errors[0] and "rank 0: cp=1, tp=2; rank 1: cp=2, tp=1" in errors[0]

@@ -90,7 +90,10 @@ def test_plan_errors():
 def test_options_for_several_ranks():
     opts = mambac.CompileOptions.create(world_size=4, dp=2, sequence_parallel=True, plan={"lm_head": "replicate"})
     assert (opts.tp, opts.dp, opts.plan) == (2, 2, (("lm_head", "replicate"),))
-    with pytest.raises(MambacOptionsError, match="context parallelism"):
-        mambac.CompileOptions.create(world_size=2, cp=2)
+    assert mambac.CompileOptions.create(world_size=4, cp=2).tp == 2   # tp fills what dp x cp leave
+    with pytest.raises(MambacOptionsError, match="cp_inputs must be one of"):
+        mambac.CompileOptions.create(world_size=2, cp=2, cp_inputs="mine")
+    with pytest.raises(MambacOptionsError, match="does not multiply"):
+        mambac.CompileOptions.create(world_size=4, tp=4, cp=2)
     with pytest.raises(MambacOptionsError, match="comm_timeout"):
         mambac.CompileOptions.create(world_size=2, comm_timeout=-1)

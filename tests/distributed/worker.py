@@ -72,12 +72,16 @@ def per_mixer_counts(compiled, *inputs) -> dict[str, int]:
     return counts
 
 
-def check_config(name: str, world: int, **opts) -> dict:
+def check_config(name: str, world: int, seqlen: int = 9, **opts) -> dict:
     model = model_for(name)
     compiled = mambac.compile(model, world_size=world, **opts)
-    ids, labels = batch(7)
-    out = {"logits": rel_err(compiled(ids), model(ids))}
-    loss_c, loss_e = compiled(ids, labels), model(ids, labels)
+    ids, labels = batch(7, seqlen=seqlen)
+    mine = (ids, labels)
+    if opts.get("cp_inputs") == "local":  # each rank passes only its piece of the sequence
+        from mambac.lowering import cp_pieces
+        mine, _ = cp_pieces([ids, labels], compiled.rank_setup.mesh.cp_rank, opts["cp"])
+    out = {"logits": rel_err(compiled(mine[0]), model(ids))}
+    loss_c, loss_e = compiled(*mine), model(ids, labels)
     out["loss"] = rel_err(loss_c, loss_e)
     loss_c.backward()
     loss_e.backward()
@@ -87,7 +91,7 @@ def check_config(name: str, world: int, **opts) -> dict:
     sd = compiled.state_dict()
     out["state_dict"] = max(rel_err(sd[k], v) for k, v in model.state_dict().items())
     out["keys_match"] = list(sd) == list(model.state_dict())
-    out["counts"] = per_mixer_counts(compiled, ids)
+    out["counts"] = per_mixer_counts(compiled, ids) if opts.get("cp_inputs") != "local" else {}
     return out
 
 
@@ -177,6 +181,16 @@ def training(world: int) -> dict:
             "norms": [abs(a - b) / b for a, b in zip(norms[::2], norms[1::2])]}
 
 
+def scenario_mismatch(world: int) -> dict:
+    """Rank 0 compiles tp=2, rank 1 cp=2: both must refuse at compile time with the same error."""
+    opts = dict(tp=2) if dist.get_rank() == 0 else dict(cp=2)
+    try:
+        mambac.compile(model_for("mamba1"), world_size=world, **opts)
+        return {"error": ""}
+    except mambac.MambacRuntimeError as exc:
+        return {"error": str(exc)}
+
+
 def scenario_faults(world: int) -> dict:
     """Debug-mode input check; then rank 1 stops calling (rank 0 must time out with a clear error)
     and dies (rank 0's next call must fail with a clear error), never a hang."""
@@ -212,8 +226,11 @@ def main() -> None:
     import datetime
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("MAMBAC_TEST_PG_TIMEOUT", "60"))))
     world = dist.get_world_size()
+    from tests.distributed.cp_lm_worker import scenario_cp_lm
     from tests.distributed.cp_worker import scenario_cp
-    scenarios = {"tp2": scenario_tp2, "w4": scenario_w4, "faults": scenario_faults, "cp": scenario_cp}
+    from tests.distributed.remat_worker import scenario_remat
+    scenarios = {"tp2": scenario_tp2, "w4": scenario_w4, "faults": scenario_faults, "cp": scenario_cp, "cp_lm": scenario_cp_lm, "mismatch": scenario_mismatch,
+                 "remat": scenario_remat}
     result = scenarios[scenario](world)
     print("RESULT " + json.dumps(result), flush=True)
     if scenario != "faults":

@@ -1,5 +1,6 @@
 """plan_remat: the printed graph after it, region counts, gradients bit-identical to no remat,
-measured saved bytes within 10% of the prediction and under the budget, and the errors."""
+measured saved bytes within 10% of the prediction and under the budget, the errors, and the
+regions of per-rank programs (tests/distributed/test_remat_parallel.py runs them on 2 ranks)."""
 import re
 
 import pytest
@@ -9,7 +10,9 @@ import torch.nn as nn
 import mambac
 from mambac.errors import MambacOptionsError
 from mambac.memory import MEMORY_PLAN, measure_saved, op_name
-from mambac.passes.plan_remat import RematRegion, make_plan
+from mambac.lowering import lower_all_ranks
+from mambac.passes.plan_remat import RematRegion, communicates, make_plan
+from mambac.runtime.collectives import collective_name
 from tests.models.tiny import tiny_lm
 
 FAMILIES = ["mamba1", "mamba2", "mamba3_siso"]
@@ -146,10 +149,24 @@ def forward(self):
 def test_dump_shows_the_regions(tmp_path):
     mambac.compile(tiny_lm("mamba1"), remat="full", dump_dir=str(tmp_path))
     files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
-    assert files[-1] == "04_plan_remat.txt"
+    assert files[-1] == "05_plan_remat.txt"
     assert "self.remat_backbone_layers_1(" in (tmp_path / "rank0" / files[-1]).read_text()
 
 
-def test_remat_needs_a_single_rank():
-    with pytest.raises(MambacOptionsError, match="world_size=1"):
-        mambac.compile(tiny_lm("mamba2"), world_size=2, remat="full")
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_rank_programs_keep_forward_collectives_outside_regions(sp):
+    """Offline (no process group): each rank's program is planned with its local shapes; blocks are
+    split at the collectives that communicate forward, which stay in the outer graph, each once."""
+    model, (ids, labels) = tiny_lm("mamba1"), batch()
+    ranks = lower_all_ranks(model, (ids, labels), 2, remat="full", sequence_parallel=sp)
+    plain = lower_all_ranks(model, (ids, labels), 2, sequence_parallel=sp)[0].gm
+    gm = ranks[0].gm
+    comms = lambda g: [collective_name(n) for n in g.graph.nodes if communicates(n)]  # noqa: E731
+    bodies = [m.body for m in gm.modules() if isinstance(m, RematRegion)]
+    assert bodies and not any(comms(b) for b in bodies)
+    assert comms(gm) == comms(plain) and comms(gm)
+    assert "self.remat_backbone_layers_0_part1(" in ranks[1].ctx.history[-1][1]
+    plan = gm.meta[MEMORY_PLAN]
+    single = make_plan(mambac.compile(model, example_inputs=(ids, labels)).program_for(ids, labels).gm, "none", None)
+    assert plan.baseline < single.baseline   # the rank's sharded activations, not the whole model's
+

@@ -14,15 +14,17 @@ from tests.models.tiny import tiny_lm
 def test_dump_dir_gets_every_pass(tmp_path):
     compiled = mambac.compile(tiny_lm("mamba1"), dump_dir=str(tmp_path))
     files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
-    assert files == ["00_capture.txt", "01_canonicalize.txt", "02_fuse_ssm.txt", "03_eliminate_dead_code.txt"]
+    assert files == ["00_capture.txt", "01_canonicalize.txt", "02_fuse_ssm.txt", "03_fuse_loss.txt",
+                     "04_eliminate_dead_code.txt"]
     assert (tmp_path / "rank0" / "02_fuse_ssm.txt").read_text().startswith("# mambac graph after 'fuse_ssm'")
     ctx = next(iter(compiled.programs.values())).ctx
-    assert set(ctx.timings) == {"canonicalize", "fuse_ssm", "eliminate_dead_code"}
-    assert [n for n, _ in ctx.history] == ["capture", "canonicalize", "fuse_ssm", "eliminate_dead_code"]
+    assert set(ctx.timings) == {"canonicalize", "fuse_ssm", "fuse_loss", "eliminate_dead_code"}
+    assert [n for n, _ in ctx.history] == ["capture", "canonicalize", "fuse_ssm", "fuse_loss",
+                                           "eliminate_dead_code"]
 
 
 def test_disable_passes_knob(monkeypatch):
-    monkeypatch.setenv("MAMBAC_DISABLE_PASSES", "fuse_ssm,eliminate_dead_code")
+    monkeypatch.setenv("MAMBAC_DISABLE_PASSES", "fuse_ssm,fuse_loss,eliminate_dead_code")
     reload()
     try:
         compiled = mambac.compile(tiny_lm("mamba2"))

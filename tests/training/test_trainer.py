@@ -16,6 +16,7 @@ from mambac.errors import MambacInputError, MambacRuntimeError
 from mambac.runtime.launcher import launch
 from mambac.trainer import SyntheticTokens, Trainer, latest_checkpoint
 from tests.models.tiny import tiny_lm
+from tests.training.scripts.train import fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "train.py"
@@ -94,6 +95,8 @@ def test_a_killed_rank_restarts_with_no_lost_or_repeated_step(restarted, single)
     assert rc == 0
     rows = read_log(log)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # the data stream went on where the checkpoint left it: batches 1..STEPS, none repeated or skipped
+    assert [r["batch"] for r in rows] == [fingerprint(DATA.batch_at(s)[0]) for s in range(1, STEPS + 1)]
     # tp=2 and one process differ only by the order of floating-point sums
     assert all(rel(r["loss"], single[1][r["step"]]) <= 1e-5 for r in rows)
 
@@ -120,6 +123,8 @@ def plain() -> Trainer:
     (torch.zeros(4, 8, 2, dtype=torch.long), torch.zeros(4, 8, 2, dtype=torch.long), r"\(batch, seqlen\)"),
     (torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 7, dtype=torch.long), "differ in shape"),
     (torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long), "accum=2.*multiple of 2"),
+    (torch.zeros(4, 8, dtype=torch.long), torch.full((4, 8), 40), r"labels must lie in \[0, 37\) or be -100"),
+    (torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0, dtype=torch.long), "no tokens"),
 ])
 def test_bad_batches_are_refused_before_anything_runs(plain, ids, labels, match):
     before = [p.detach().clone() for p in plain.params.values()]
@@ -151,3 +156,58 @@ def test_mambac_run_takes_max_restarts():
     from mambac.cli import build_parser
     args = build_parser().parse_args(["run", "-n", "2", "--max-restarts", "3", "train.py", "x"])
     assert (args.nprocs, args.max_restarts, args.script, args.args) == (2, 3, "train.py", ["x"])
+
+
+def test_labels_may_be_ignored(plain):
+    ids, labels = DATA.batch_at(4)
+    labels[:, :3] = -100
+    plain.check_batch(ids, labels)
+
+
+def test_a_micro_batch_must_give_every_dp_rank_a_row():
+    # checking a batch needs no process group: the module is compiled for dp=2 but not run
+    trainer = Trainer(mambac.compile(tiny_lm("mamba2", n_layer=1), world_size=2, dp=2), accum=2)
+    trainer.check_batch(*SyntheticTokens(vocab=37, batch=6, seqlen=4).batch_at(1))  # 3 rows per micro-batch: 2 + 1
+    with pytest.raises(MambacInputError, match=r"micro-batch of 1 rows.*dp=2.*at least 4 rows"):
+        trainer.check_batch(*SyntheticTokens(vocab=37, batch=2, seqlen=4).batch_at(1))
+
+
+class FakeCuda:
+    """The checkpoint's three calls into torch.cuda's generators, as on a machine with ``n`` devices."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.states, self.set = n, [torch.randint(0, 255, (16,), dtype=torch.uint8) for _ in range(n)], None
+
+    def install(self, monkeypatch) -> None:
+        import mambac.trainer_checkpoint as ck
+        monkeypatch.setattr(ck, "_cuda_devices", lambda: self.n)
+        monkeypatch.setattr(ck, "_cuda_rng_states", lambda: [s.clone() for s in self.states])
+        monkeypatch.setattr(ck, "_set_cuda_rng_states", lambda states: setattr(self, "set", list(states)))
+
+
+def test_cuda_generators_are_saved_and_restored_when_the_devices_match(plain, tmp_path, monkeypatch):
+    import warnings
+    saved = FakeCuda(2)
+    with monkeypatch.context() as m:
+        saved.install(m)
+        plain.save(str(tmp_path))
+    cpu = torch.get_rng_state()
+    for n, restored in ((2, "cpu+cuda"), (1, "cpu")):
+        now = FakeCuda(n)
+        with monkeypatch.context() as m, warnings.catch_warnings():
+            warnings.simplefilter("error")  # the fallback is silent
+            now.install(m)
+            torch.manual_seed(7)
+            plain.load(str(tmp_path))
+        assert plain.rng_restored == restored and torch.equal(torch.get_rng_state(), cpu)
+        if n == 2:
+            assert [s.tolist() for s in now.set] == [s.tolist() for s in saved.states]
+        else:
+            assert now.set is None  # 2 saved device generators do not fit 1 device: left as seeded
+
+
+def test_a_checkpoint_of_another_model_is_refused(plain, tmp_path):
+    other = Trainer(mambac.compile(tiny_lm("mamba1", n_layer=1)))
+    other.save(str(tmp_path))
+    with pytest.raises(MambacRuntimeError, match="does not match this model: it lacks"):
+        plain.load(str(tmp_path))

@@ -1,0 +1,96 @@
+"""Where a training step of the compiled 130M Mamba-2 LM spends its time (one GPU, torch.profiler).
+
+    python benchmarks/profile_train.py [--batch 8 --seqlen 2048 --steps 2] [--tiny]
+
+Prints the step's wall time, the GPU's busy time (sum of kernel times) and the kernels grouped by
+name, most expensive first, with their share of the GPU time: what to make faster next.  ``--tiny``
+runs a tiny LM on the CPU (CPU op times instead of kernel times) to check the script.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from collections import defaultdict
+
+import torch
+
+import mambac
+from mambac.models import MambaLMHeadModel
+from mambac.presets import preset_config
+
+
+def group_name(key: str) -> str:
+    """Kernels grouped by what they are (Triton kernels by name, library GEMMs together)."""
+    k = key.lower()
+    if "gemm" in k or "cutlass" in k or "sm90_xmma" in k or "nvjet" in k:
+        return "matmul (cuBLAS)"
+    if "elementwise" in k or "vectorized" in k or "unrolled" in k:
+        return "elementwise (PyTorch)"
+    if "reduce" in k:
+        return "reductions (PyTorch)"
+    return re.sub(r"_\d+$", "", key)[:70]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = "cuda" if cuda else "cpu"
+    name = "mamba2-tiny" if args.tiny else "mamba2-130m"
+    batch, seqlen = (2, 64) if args.tiny else (args.batch, args.seqlen)
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(preset_config(name), device=device)
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (batch, seqlen), device=device)
+    compiled = mambac.compile(model, example_inputs=(ids, ids))
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4, fused=cuda)
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            loss = compiled(ids, ids)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.steps
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.key_averages():
+        if cuda and ev.device_type.name != "CUDA":
+            continue
+        t = (ev.device_time_total if cuda else ev.self_cpu_time_total) / args.steps
+        if t <= 0:
+            continue
+        g = groups[group_name(ev.key) if cuda else ev.key]
+        g[0] += t
+        g[1] += ev.count // args.steps
+    busy = sum(t for t, _ in groups.values())
+    print(f"{name}, batch {batch} x {seqlen}, {'bf16 autocast on ' + torch.cuda.get_device_name() if cuda else 'cpu'}")
+    print(f"step wall {wall * 1e3:.1f} ms, {'GPU busy' if cuda else 'CPU op time'} {busy / 1e3:.1f} ms "
+          f"({100 * busy / 1e3 / (wall * 1e3):.0f}% of the wall time), {batch * seqlen / wall:,.0f} tokens/s")
+    print("| kernels | calls/step | ms/step | share |")
+    print("|---|---|---|---|")
+    for key, (t, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"| {key} | {n} | {t / 1e3:.2f} | {100 * t / busy:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

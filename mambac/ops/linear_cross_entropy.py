@@ -1,0 +1,133 @@
+"""Fused, chunked ``cross_entropy(hidden @ weight.T, labels)``: the LM head and its loss without the
+full (tokens, vocab) logits.
+
+The forward walks the tokens in chunks: one chunk's logits are computed (in the ambient autocast
+dtype, like ``nn.Linear``), reduced to a log-sum-exp and a target logit in fp32 (fp64 for fp64
+inputs) and dropped.  Only ``hidden``, ``weight``, ``labels`` and the per-token log-sum-exp (N
+floats) are saved.  The backward recomputes each chunk's logits under the autocast state recorded
+in the forward and forms ``(softmax - onehot) * valid / count`` directly, so the logits and their
+gradient exist one chunk at a time.  ``fuse_loss`` (docs/passes/fuse_loss.md) puts this function
+into lowered graphs in place of ``lm_head`` → ``cross_entropy``.
+
+It is a ``torch.autograd.Function``, not a ``torch.library`` op, so it runs under the caller's
+autocast exactly as the unfused linear would.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mambac.errors import MambacInputError
+
+CHUNK_FP32_BYTES = 2 ** 28   # one chunk's fp32 logits stay within 256 MiB
+
+
+def default_chunk(vocab: int) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take at most ``CHUNK_FP32_BYTES``."""
+    return max(1, CHUNK_FP32_BYTES // (4 * max(1, vocab)))
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _chunk_stats(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+    """(lse, target logit, valid mask) of one chunk, in the accumulation dtype."""
+    z = logits.to(_acc_dtype(logits.dtype))
+    lse = torch.logsumexp(z, dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    target = z.gather(1, safe.unsqueeze(1)).squeeze(1)
+    return lse, target, valid
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index: int, chunk: int):
+        n = hidden.shape[0]
+        ctx.autocast = _autocast_state(hidden.device.type)
+        lses, total, count = [], None, None
+        for s in range(0, n, chunk):
+            logits = F.linear(hidden[s:s + chunk], weight)
+            lse, target, valid = _chunk_stats(logits, labels[s:s + chunk], ignore_index)
+            part = torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
+            total = part if total is None else total + part
+            cnt = valid.sum()
+            count = cnt if count is None else count + cnt
+            lses.append(lse)
+        lse_all = torch.cat(lses) if lses else hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype))
+        if total is None:  # no tokens: 0/0, as F.cross_entropy gives
+            total = hidden.new_zeros((), dtype=_acc_dtype(hidden.dtype))
+            count = labels.new_zeros(())
+        ctx.save_for_backward(hidden, weight, labels, lse_all)
+        ctx.ignore_index, ctx.chunk = ignore_index, chunk
+        ctx.count = count
+        return total / count.to(total.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels, lse_all = ctx.saved_tensors
+        device_type, enabled, dtype = ctx.autocast
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        scale = grad_out / ctx.count.to(grad_out.dtype)
+        dhidden = torch.empty_like(hidden) if need_h else None
+        dweight = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            for s in range(0, hidden.shape[0], ctx.chunk):
+                h = hidden[s:s + ctx.chunk]
+                logits = F.linear(h, weight)
+                lab = labels[s:s + ctx.chunk]
+                valid = lab != ctx.ignore_index
+                safe = torch.where(valid, lab, torch.zeros_like(lab))
+                z = logits.to(lse_all.dtype)
+                g = torch.exp(z - lse_all[s:s + ctx.chunk].unsqueeze(1))
+                g.scatter_add_(1, safe.unsqueeze(1), -torch.ones_like(g[:, :1]))
+                g = torch.where(valid.unsqueeze(1), g * scale.to(g.dtype), torch.zeros_like(g))  # ignored: 0
+                g = g.to(logits.dtype)
+                if need_h:
+                    dhidden[s:s + ctx.chunk] = torch.matmul(g, weight).to(hidden.dtype)
+                if need_w:
+                    dweight += torch.matmul(g.t(), h).to(dweight.dtype)
+        if need_w:
+            dweight = dweight.to(weight.dtype)
+        return dhidden, dweight, None, None, None
+
+
+def _check(hidden, weight, labels, chunk) -> None:
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, labels)):
+        raise MambacInputError("linear_cross_entropy takes tensors hidden (N, D), weight (V, D), labels (N,).")
+    if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
+        raise MambacInputError(f"linear_cross_entropy wants hidden (N, D), weight (V, D), labels (N,); got "
+                               f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}. Flatten "
+                               f"the batch and sequence dims first (hidden.flatten(0, -2), labels.flatten()).")
+    if hidden.shape[1] != weight.shape[1] or hidden.shape[0] != labels.shape[0]:
+        raise MambacInputError(f"linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} "
+                               f"and labels {tuple(labels.shape)} disagree (need hidden (N, D), weight (V, D), "
+                               f"labels (N,)).")
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        raise MambacInputError(f"linear_cross_entropy: hidden and weight must be floating point, got "
+                               f"{hidden.dtype} and {weight.dtype}.")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise MambacInputError(f"linear_cross_entropy: labels must be int64 (or int32) class ids, got {labels.dtype}.")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise MambacInputError(f"linear_cross_entropy: chunk must be a positive int (tokens per chunk), got {chunk!r}.")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                         chunk: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean ``cross_entropy(hidden @ weight.T, labels, ignore_index=ignore_index)`` over the tokens
+    whose label is not ``ignore_index`` (nan when there are none, like ``F.cross_entropy``), never
+    holding more than ``chunk`` tokens' logits (default: ``default_chunk(V)``, ≤ 256 MiB of fp32).
+    A 0-dim tensor in fp32 (fp64 for fp64 inputs).  Bias-free linear only."""
+    if bias is not None:
+        raise MambacInputError("linear_cross_entropy supports a bias-free linear only (nn.Linear(..., bias=False)); "
+                               "add the bias to the logits and call F.cross_entropy instead.")
+    chunk = default_chunk(weight.shape[0]) if chunk is None and isinstance(weight, torch.Tensor) else chunk
+    _check(hidden, weight, labels, chunk)
+    if labels.dtype != torch.int64:
+        labels = labels.long()
+    return _LinearCrossEntropy.apply(hidden, weight, labels, int(ignore_index), chunk)

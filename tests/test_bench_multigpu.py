@@ -1,0 +1,16 @@
+"""benchmarks/bench_multigpu.py runs (tiny models, gloo) and its correctness table holds."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_correctness_table_on_two_ranks():
+    r = subprocess.run([sys.executable, "-m", "mambac.cli", "run", "-n", "2", "--timeout", "240",
+                        "benchmarks/bench_multigpu.py", "correctness", "--tiny"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| mamba")]
+    assert len(rows) == 8 and all(ln.endswith("| yes |") for ln in rows), r.stdout
+    assert {ln.split("|")[2].strip() for ln in rows} == {"tp", "tp+sp", "cp", "dp x tp"}
