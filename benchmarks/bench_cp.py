@@ -108,6 +108,22 @@ def main(argv: list[str] | None = None) -> int:
             rows["fwd"] = (bench(lambda: local_scan(t, s["q"])), bench(lambda: cp_rank(t, s["q"], s["world"], gathered)))
         rows["fwd+bwd"] = (bench(fwd_bwd(lambda: local_scan(t, s["q"]))),
                            bench(fwd_bwd(lambda: cp_rank(t, s["q"], s["world"], gathered))))
+        with torch.no_grad():  # forward time of each piece of the cp rank's extra work
+            ct = torch.float32
+            y0, local = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"],
+                                             None, s["q"], True, 0.0, float("inf"))
+            cum = cpf.ssd_summaries(t["dt"], t["A"], t["dt_bias"], True, 0.0, float("inf"), ct)
+            states, decays = cpf._unpack(gathered, (local, cum[:, -1]))
+            s_in = cpf.incoming_state(states, decays, s["world"] - 1)
+            parts = {
+                "scan without z": bench(lambda: torch.ops.mambac.ssd(
+                    t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"], None, s["q"], True, 0.0,
+                    float("inf"))),
+                "summaries (cumulative log-decay)": bench(lambda: cpf.ssd_summaries(
+                    t["dt"], t["A"], t["dt_bias"], True, 0.0, float("inf"), ct)),
+                "prefix combine": bench(lambda: cpf.incoming_state(states, decays, s["world"] - 1)),
+                "correction (+ z gate)": bench(lambda: cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])),
+            }
     name = "S1 split in 4 (b4 l1024 h48 p64 n128 g1)" if device == "cuda" else "tiny (CPU)"
     print(f"context-parallel SSD overhead, {name}, {dtype}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
     print(f"check: zero incoming state reproduces the scan, rel err {err:.1e}")
@@ -115,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"|---|---|---|---|---|")
     for k, (base, cp) in rows.items():
         print(f"| {k} | {base:.1f} | {cp:.1f} | {cp - base:.1f} | {100 * (cp - base) / base:.1f}% |")
+    print("forward pieces of the cp rank (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
     return 0
 
 

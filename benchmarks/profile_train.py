@@ -26,7 +26,8 @@ def group_name(key: str) -> str:
     if "gemm" in k or "cutlass" in k or "sm90_xmma" in k or "nvjet" in k:
         return "matmul (cuBLAS)"
     if "elementwise" in k or "vectorized" in k or "unrolled" in k:
-        return "elementwise (PyTorch)"
+        what = re.findall(r"(?:native::|<)(\w*(?:Functor|_kernel|Op)\w*)", key)
+        return "elementwise (PyTorch): " + (what[0] if what else "?")[:40]
     if "reduce" in k:
         return "reductions (PyTorch)"
     return re.sub(r"_\d+$", "", key)[:70]

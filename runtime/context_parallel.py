@@ -113,7 +113,13 @@ def ssd_summaries(dt: Tensor, A: Tensor, dt_bias: Optional[Tensor], dt_softplus:
 
 def ssd_correction(y0: Tensor, C: Tensor, cum: Tensor, s_in: Tensor, z: Optional[Tensor]) -> Tensor:
     """The output of a piece that starts from ``s_in`` instead of zero: y0 + exp(cum_t) C_t S_in,
-    then the z gate.  ``y0`` (b, l, h, p) is the zero-start output with the D skip, ungated."""
+    then the z gate.  ``y0`` (b, l, h, p) is the zero-start output with the D skip, ungated.
+    Where generated kernels may run (fp32/bf16/fp16), one fused Triton kernel does it (and its
+    backward); otherwise, and for float64, this PyTorch form (the exact reference) runs."""
+    if mambac.ops.kernels_enabled(y0.device):
+        from mambac.codegen import cp_correction_kernels as fused
+        if fused.supported(y0, C, cum, s_in, z):
+            return fused.fused_correction(y0, C, cum, s_in, z)
     b, l, h, p = y0.shape
     g = C.shape[2]
     ct = s_in.dtype

@@ -51,8 +51,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         ctx.autocast = _autocast_state(hidden.device.type)
         lses, total, count = [], None, None
+        w = _cast_once(weight, ctx.autocast)
         for s in range(0, n, chunk):
-            logits = F.linear(hidden[s:s + chunk], weight)
+            logits = F.linear(hidden[s:s + chunk], w)
             lse, target, valid = _chunk_stats(logits, labels[s:s + chunk], ignore_index)
             part = torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
             total = part if total is None else total + part
@@ -76,25 +77,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = grad_out / ctx.count.to(grad_out.dtype)
         dhidden = torch.empty_like(hidden) if need_h else None
         dweight = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
+        w = _cast_once(weight, ctx.autocast)
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             for s in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[s:s + ctx.chunk]
-                logits = F.linear(h, weight)
+                logits = F.linear(h, w)
                 lab = labels[s:s + ctx.chunk]
                 valid = lab != ctx.ignore_index
                 safe = torch.where(valid, lab, torch.zeros_like(lab))
-                z = logits.to(lse_all.dtype)
-                g = torch.exp(z - lse_all[s:s + ctx.chunk].unsqueeze(1))
+                # softmax - onehot, scaled, in place on one fp32 buffer (few passes over chunk x V)
+                g = logits.to(lse_all.dtype)
+                g.sub_(lse_all[s:s + ctx.chunk].unsqueeze(1)).exp_()
                 g.scatter_add_(1, safe.unsqueeze(1), -torch.ones_like(g[:, :1]))
-                g = torch.where(valid.unsqueeze(1), g * scale.to(g.dtype), torch.zeros_like(g))  # ignored: 0
+                g.mul_(torch.where(valid, scale.to(g.dtype), torch.zeros((), dtype=g.dtype, device=g.device))
+                       .unsqueeze(1))  # ignored tokens: 0
                 g = g.to(logits.dtype)
                 if need_h:
-                    dhidden[s:s + ctx.chunk] = torch.matmul(g, weight).to(hidden.dtype)
+                    dhidden[s:s + ctx.chunk] = torch.matmul(g, w).to(hidden.dtype)
                 if need_w:
                     dweight += torch.matmul(g.t(), h).to(dweight.dtype)
         if need_w:
             dweight = dweight.to(weight.dtype)
         return dhidden, dweight, None, None, None
+
+
+def _cast_once(weight: torch.Tensor, autocast: tuple) -> torch.Tensor:
+    """The weight in the autocast dtype, cast once per call (not once per chunk's matmul)."""
+    _, enabled, dtype = autocast
+    return weight.to(dtype) if enabled and weight.is_floating_point() and weight.dtype != dtype else weight
 
 
 def _check(hidden, weight, labels, chunk) -> None:
