@@ -67,13 +67,16 @@ def incoming_state(states: Tensor, log_decays: Tensor, rank: int) -> Tensor:
     """Exclusive prefix combine of per-rank (final state from zero, total log-decay) pairs.
 
     ``states`` (W, *S), ``log_decays`` (W, *D) with D broadcastable to S after trailing unsqueezes."""
-    acc = torch.zeros_like(states[0])
-    for j in range(rank):
-        ld = log_decays[j]
-        while ld.dim() < acc.dim():
-            ld = ld.unsqueeze(-1)
-        acc = acc * torch.exp(ld) + states[j]
-    return acc
+    if rank == 0:
+        return torch.zeros_like(states[0])
+    # S_in = sum_{j<r} exp(ld_{j+1} + ... + ld_{r-1}) S_j: every weight at once (a few launches, not 3 per
+    # rank); each exponent is a sum of the later ranks' decays (a reversed cumsum), never a difference
+    lds = log_decays[:rank]
+    later = torch.cat([lds[1:], torch.zeros_like(lds[:1])]).flip(0).cumsum(0).flip(0)
+    w = torch.exp(later)
+    while w.dim() < states.dim():
+        w = w.unsqueeze(-1)
+    return (w * states[:rank]).sum(0)
 
 
 # ---- causal conv: halo exchange ----------------------------------------------------------------

@@ -16,7 +16,7 @@ def test_dump_all_stages_in_order(capsys):
     assert main(["dump", "mamba1-tiny", "--stage", "all", "--seqlen", "8"]) == 0
     out = capsys.readouterr().out
     heads = [ln for ln in out.splitlines() if ln.startswith("# mambac graph after")]
-    assert [h.split("'")[1] for h in heads] == ["capture", "canonicalize", "fuse_ssm", "eliminate_dead_code"]
+    assert [h.split("'")[1] for h in heads] == ["capture", "canonicalize", "fuse_ssm", "fuse_loss", "eliminate_dead_code"]
 
 
 def test_dump_factory_file_to_dot(tmp_path):
