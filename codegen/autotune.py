@@ -15,6 +15,7 @@ import torch
 
 from mambac.codegen import cache
 from mambac.codegen.kernel_ir import TileConfig
+from mambac.progress import progress
 
 log = logging.getLogger("mambac.codegen")
 
@@ -61,7 +62,7 @@ def choose(family: str, bucket: str, candidates: Sequence[TileConfig],
         _CHOSEN[key] = candidates[0]
         return candidates[0]
     best, best_t, errors = None, float("inf"), []
-    for cfg in candidates:
+    for cfg in progress(candidates, f"mambac: autotuning {family}"):
         try:
             t = bench(cfg)
         except Exception as exc:  # a config may not fit (shared memory, registers)

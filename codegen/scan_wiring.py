@@ -2,7 +2,9 @@
 kernels.
 
 Imported by ``mambac.ops._common`` the first time a call could use kernels (every
-``mambac.codegen.*_wiring`` module is); registering imports no Triton.
+``mambac.codegen.*_wiring`` module is); registering imports no Triton.  The Mamba-3 kernels walk
+the sequence in order and are not faster than the reference for training yet (forward + backward,
+benchmarks/NOTES_scan_kernels.md), so they run only in kernel mode 'triton', never by default.
 """
 from __future__ import annotations
 
@@ -34,9 +36,14 @@ def _m3_backward(args, grads, needs):
     return mamba3_siso_backward(args, grads, needs)
 
 
+def _explicit() -> bool:
+    from mambac.ops._common import kernel_mode
+    return kernel_mode() == "triton"
+
+
 def _m3_supports(*args) -> bool:
     from mambac.codegen.mamba3_kernels import supports
-    return supports(*args)
+    return _explicit() and supports(*args)
 
 
 def _mimo_forward(*args):
@@ -51,7 +58,7 @@ def _mimo_backward(args, grads, needs):
 
 def _mimo_supports(*args) -> bool:
     from mambac.codegen.mamba3_mimo_kernels import supports
-    return supports(*args)
+    return _explicit() and supports(*args)
 
 
 register_device_kernels("selective_scan", "cuda", forward=_ss_forward, backward=_ss_backward,

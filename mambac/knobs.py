@@ -35,6 +35,7 @@ class Knobs:
     cache_dir: str = ""            # MAMBAC_CACHE_DIR: generated kernels and autotune choices
     logs: str | None = None        # MAMBAC_LOGS: logging level for the "mambac" logger (e.g. info, debug)
     kernels: str = "auto"          # MAMBAC_KERNELS: auto | triton | reference
+    progress: str = "auto"         # MAMBAC_PROGRESS: auto (bars on a terminal) | 1 (always) | 0 (never)
 
 
 def _from_env() -> Knobs:
@@ -47,6 +48,7 @@ def _from_env() -> Knobs:
         cache_dir=os.environ.get("MAMBAC_CACHE_DIR") or _default_cache_dir(),
         logs=os.environ.get("MAMBAC_LOGS") or None,
         kernels=(os.environ.get("MAMBAC_KERNELS") or "auto").strip().lower(),
+        progress=(os.environ.get("MAMBAC_PROGRESS") or "auto").strip().lower(),
     )
 
 

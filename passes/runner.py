@@ -12,6 +12,7 @@ import torch.fx
 
 from mambac.errors import MambacError, MambacPassError
 from mambac.printer import print_graph
+from mambac.progress import progress
 from mambac.verifier import verify
 from mambac.passes.context import PassContext
 from mambac.passes.pipeline import PASSES
@@ -37,7 +38,7 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, names: Sequence[str])
     _dump(ctx, 0, "capture", text)
     if ctx.verify:
         verify(gm, "capture")
-    for i, name in enumerate(names, 1):
+    for i, name in progress(list(enumerate(names, 1)), f"mambac: lowering rank {ctx.rank}"):
         if name in ctx.disabled:
             log.info("pass %s disabled", name)
             continue

@@ -27,3 +27,17 @@ def ssd_referee(x, dt, A, B, C, D, z, dt_bias, init, softplus, dt_min, dt_max):
     if z is not None:
         y = y * F.silu(z)
     return y, S
+
+
+def check_grads(errs: dict, names, grads, args, refs, tol: float) -> None:
+    """Add each input gradient's relative error (against ``ref.grad``) to ``errs`` and assert every
+    error is within ``tol``; an absent input must get no gradient."""
+    from tests.helpers import rel_err
+    for name, g, a, ref in zip(names, grads, args, refs):
+        if a is None:
+            assert g is None, name
+            continue
+        assert g.shape == a.shape and g.dtype == a.dtype, name
+        errs["d" + name] = rel_err(g, ref.grad)
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"errors above {tol}: {bad}; all: {errs}"

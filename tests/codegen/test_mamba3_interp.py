@@ -14,6 +14,7 @@ from mambac.codegen import render_mamba3 as R
 from mambac.codegen.mamba3_kernels import mamba3_siso_backward, mamba3_siso_forward, supports
 from mambac.codegen.scan_ir import Mamba3SisoRegion
 from tests.codegen.scan_referee import mamba3_siso_referee
+from tests.codegen.referee import check_grads
 from tests.helpers import rel_err
 
 NAMES = ("x", "B", "C", "dt", "adt", "trap", "angles", "B_bias", "C_bias", "D", "z", "initial_angle",
@@ -52,14 +53,7 @@ def check(args, chunk, seed=0):
     errs = {name: rel_err(o, ref) for name, o, ref in zip(OUTS, outs, refs)}
     grads = mamba3_siso_backward(list(args) + [64], gouts, chunk=chunk)
     assert len(grads) == 16 and grads[-1] is None
-    for name, g, a, ref in zip(NAMES, grads, args, ref_in):
-        if a is None:
-            assert g is None, name
-            continue
-        assert g.shape == a.shape and g.dtype == a.dtype, name
-        errs["d" + name] = rel_err(g, ref.grad)
-    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
-    assert not bad, f"errors above {TOL[dtype]}: {bad}; all: {errs}"
+    check_grads(errs, NAMES, grads, args, ref_in, TOL[dtype])
 
 
 @pytest.mark.interp

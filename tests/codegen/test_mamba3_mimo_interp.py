@@ -15,6 +15,7 @@ from mambac.codegen import render_mamba3_mimo as R
 from mambac.codegen.mamba3_mimo_kernels import mamba3_mimo_backward, mamba3_mimo_forward, supports
 from mambac.codegen.scan_ir import Mamba3MimoRegion
 from tests.codegen.scan_referee import mamba3_mimo_referee
+from tests.codegen.referee import check_grads
 from tests.helpers import rel_err
 
 NAMES = ("x", "B", "C", "dt", "adt", "trap", "angles", "B_bias", "C_bias", "mimo_x", "mimo_z", "mimo_o", "D",
@@ -55,14 +56,7 @@ def check(args, chunk, seed=0):
     errs = {name: rel_err(o, ref) for name, o, ref in zip(OUTS, outs, refs)}
     grads = mamba3_mimo_backward(list(args) + [16], gouts, chunk=chunk)
     assert len(grads) == 19 and grads[-1] is None
-    for name, g, a, ref in zip(NAMES, grads, args, ref_in):
-        if a is None:
-            assert g is None, name
-            continue
-        assert g.shape == a.shape and g.dtype == a.dtype, name
-        errs["d" + name] = rel_err(g, ref.grad)
-    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
-    assert not bad, f"errors above {TOL[dtype]}: {bad}; all: {errs}"
+    check_grads(errs, NAMES, grads, args, ref_in, TOL[dtype])
 
 
 @pytest.mark.interp

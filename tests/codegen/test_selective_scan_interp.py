@@ -15,6 +15,7 @@ from mambac.codegen.scan_ir import SelectiveScanRegion
 from mambac.codegen.selective_scan_kernels import (selective_scan_backward, selective_scan_forward,
                                                    supports)
 from tests.codegen.scan_referee import selective_scan_referee
+from tests.codegen.referee import check_grads
 from tests.helpers import rel_err
 
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
@@ -49,14 +50,7 @@ def check(args, softplus, chunk, seed=0):
     errs = {"out": rel_err(out, o_ref), "last_state": rel_err(last, h_ref)}
     grads = selective_scan_backward(list(args) + [softplus], (go, gh), chunk=chunk)
     assert grads[-1] is None
-    for name, g, a, ref in zip(NAMES, grads, args, ref_in):
-        if a is None:
-            assert g is None, name
-            continue
-        assert g.shape == a.shape and g.dtype == a.dtype, name
-        errs["d" + name] = rel_err(g, ref.grad)
-    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
-    assert not bad, f"errors above {TOL[dtype]}: {bad}; all: {errs}"
+    check_grads(errs, NAMES, grads, args, ref_in, TOL[dtype])
 
 
 @pytest.mark.interp

@@ -14,6 +14,7 @@ import torch
 
 from mambac.codegen import SSDSaved, ssd_backward, ssd_forward, ssd_triton
 from tests.codegen.referee import ssd_referee
+from tests.codegen.referee import check_grads
 from tests.helpers import rel_err
 
 pytestmark = pytest.mark.interp
@@ -58,14 +59,7 @@ def check(args, chunk, softplus, limit, seed=0):
     assert y.dtype == dtype and final.dtype == torch.float32
     errs = {"y": rel_err(y, y_ref), "final_state": rel_err(final, s_ref)}
     grads = ssd_backward(gy, gs, *args, chunk, softplus, lo, hi, saved=saved)
-    for name, g, a, ref in zip(NAMES, grads, args, ref_in):
-        if a is None:
-            assert g is None, name
-            continue
-        assert g.shape == a.shape and g.dtype == a.dtype, name
-        errs["d" + name] = rel_err(g, ref.grad)
-    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
-    assert not bad, f"errors above {TOL[dtype]}: {bad}; all: {errs}"
+    check_grads(errs, NAMES, grads, args, ref_in, TOL[dtype])
 
 
 NOLIM = (0.0, math.inf)

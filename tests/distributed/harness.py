@@ -33,13 +33,14 @@ def _env(rank: int, world: int, port: int, extra: dict | None) -> dict:
     return env
 
 
-def run_ranks(world: int, scenario: str, *args: str, timeout: float = 150.0, env: dict | None = None) -> list[dict]:
-    """Start ``world`` ranks of ``scenario``; return their results in rank order.
+def run_ranks(world: int, scenario: str, *args: str, timeout: float = 150.0, env: dict | None = None,
+              module: str = "tests.distributed.worker") -> list[dict]:
+    """Start ``world`` ranks of ``scenario`` (of the worker ``module``); return their results in rank order.
 
     Raises AssertionError with every rank's output tail when a rank fails, prints no result, or
     the deadline passes (all ranks are killed first)."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.worker", scenario, *args], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", module, scenario, *args], cwd=ROOT,
                               env=_env(r, world, port, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in range(world)]
     deadline = time.monotonic() + timeout

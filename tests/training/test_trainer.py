@@ -211,3 +211,17 @@ def test_a_checkpoint_of_another_model_is_refused(plain, tmp_path):
     other.save(str(tmp_path))
     with pytest.raises(MambacRuntimeError, match="does not match this model: it lacks"):
         plain.load(str(tmp_path))
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_training():
+    from mambac.trainer import SyntheticTokens
+    data = SyntheticTokens(vocab=37, batch=4, seqlen=8)
+    runs = {}
+    for bf16 in (False, True):
+        torch.manual_seed(0)
+        trainer = Trainer(mambac.compile(tiny_lm("mamba2", n_layer=1)), lr=3e-3, bf16=bf16)
+        runs[bf16] = [trainer.step(*data.batch_at(s)) for s in (1, 2, 3)]
+        assert all(p.dtype == torch.float32 for p in trainer.params.values())   # master weights stay fp32
+        assert all(st["exp_avg"].dtype == torch.float32 for st in trainer.opt.state.values())
+    assert all(rel(b, f) <= 2e-2 for b, f in zip(runs[True], runs[False])), runs
+    assert runs[True] != runs[False]   # the forward really ran in bf16
