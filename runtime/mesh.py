@@ -9,6 +9,7 @@ gradients are summed over the *replica* group: the ranks that hold the same tp s
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -47,6 +48,17 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, **kw)
+    atexit.register(_shut_down)  # the group mambac made is mambac's to close: no backend threads left at exit
+
+
+def _shut_down() -> None:
+    """Close the process group at interpreter exit (a live gloo/NCCL group can abort the process as
+    its threads are torn down)."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # exiting anyway; a peer that already left must not turn exit into a crash
+        pass
 
 
 @dataclass
