@@ -23,7 +23,7 @@ from mambac.capture import FAKE_MODE_KEY
 from mambac.errors import MambacPassError
 from mambac.ir import MESH, PLACEMENT, SOURCE, VAL, WANTS, Partial, Placement, Placements, Replicate, Shard, source_of
 from mambac.passes.context import PassContext
-from mambac.passes.rewrite import insert_after
+from mambac.passes.rewrite import insert_after, replace_input
 import mambac.runtime.collectives  # noqa: F401  (registers the ops)
 
 NAME = "insert_collectives"
@@ -120,9 +120,9 @@ def _gathers(src: torch.fx.Node, dst: torch.fx.Node) -> bool:
 def _follow_shape_reads(src: torch.fx.Node, dst: torch.fx.Node) -> None:
     for user in list(src.users):
         if user.op == "call_function" and user.target is getattr and user.args[1] == "shape":
-            user.replace_input_with(src, dst)
+            replace_input(user, src, dst)
         elif user.op == "call_method" and user.target == "size":
-            user.replace_input_with(src, dst)  # conversions sit right after src: before every reader
+            replace_input(user, src, dst)  # conversions sit right after src: before every reader
 
 
 def _out_split_on_tp(node: torch.fx.Node) -> bool:
@@ -149,12 +149,12 @@ def insert_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.G
         wants = node.meta.pop(WANTS, None) or {}
         for inp in list(node.all_input_nodes):
             if inp.name in wants:
-                node.replace_input_with(inp, ins.convert(inp, wants[inp.name], node))
+                replace_input(node, inp, ins.convert(inp, wants[inp.name], node))
         if node.op == "output" or ins.mesh.tp == 1 or not _out_split_on_tp(node) or node.target is torch.cat:
             continue  # a cat puts its replicated inputs into replicated segments: no partial gradient
         for inp in list(node.all_input_nodes):
             if _needs_grad_reduce(inp):
-                node.replace_input_with(inp, ins.grad_reduce(inp, node))
+                replace_input(node, inp, ins.grad_reduce(inp, node))
     gm.graph.lint()
     gm.recompile()
     _reprop(gm)

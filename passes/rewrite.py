@@ -117,6 +117,12 @@ def replace_uses(old: torch.fx.Node, new: torch.fx.Node) -> None:
     old.graph.erase_node(old)
 
 
+def replace_input(user: torch.fx.Node, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    """Make ``user`` read ``new`` where it read ``old`` (``new`` must come before ``user``); the
+    user's value does not change, so its shape stays valid."""
+    user.replace_input_with(old, new)
+
+
 def users_of(node: torch.fx.Node) -> list[torch.fx.Node]:
     return list(node.users)
 

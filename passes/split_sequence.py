@@ -35,7 +35,7 @@ from mambac.errors import MambacPassError
 from mambac.ir import CP_LENGTH, FUSION, MESH, PLACEMENT, VAL, source_of
 from mambac.ops._common import info_for_target
 from mambac.passes.context import PassContext
-from mambac.passes.rewrite import insert_after, insert_before, replace_uses
+from mambac.passes.rewrite import insert_after, insert_before, replace_input, replace_uses
 from mambac.runtime import context_parallel as cpf
 from mambac.runtime import parallel_ops as pops
 
@@ -175,7 +175,7 @@ class _Splitter:
             red.meta[PLACEMENT] = node.meta[PLACEMENT]
         for user in list(node.users):
             if user is not red:
-                user.replace_input_with(node, red)
+                replace_input(user, node, red)
         self.stats.add("loss_all_reduce")
 
     def gather_outputs(self, out: torch.fx.Node) -> None:
@@ -194,7 +194,7 @@ class _Splitter:
             replaced[value] = g
             self.stats.add("output_all_gather")
         for old, new in replaced.items():
-            out.replace_input_with(old, new)
+            replace_input(out, old, new)
 
 
 def _local_len(gm: torch.fx.GraphModule) -> int:

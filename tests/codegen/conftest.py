@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_ENV = "MAMBAC_CODEGEN_INTERP_RESULTS"  # set in the subprocess: where to write outcomes
@@ -51,6 +52,18 @@ _ensure_codegen_importable()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "interp: runs generated kernels under the Triton interpreter")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tier(request, monkeypatch):
+    """Tests marked ``gpu`` run on a CUDA device with the interpreter off, else skip; there they check
+    correctness with each kernel's first GPU candidate instead of timing every candidate."""
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs a CUDA device with the Triton interpreter off (GPU tier)")
+    from mambac.codegen import autotune
+    monkeypatch.setattr(autotune, "choose", lambda family, bucket, cands, bench: cands[0])
 
 
 @pytest.fixture(autouse=True, scope="session")
