@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         try:
             rows.append(run_mode(model, ids, labels, mode, budget, args, device))
         except (mambac.MambacError, torch.OutOfMemoryError) as exc:
+            traceback.print_exc()   # the whole story on stderr; the table keeps its first line
             rows.append(Row(mode=mode, budget=budget, error=str(exc).splitlines()[0][:160]))
         if device.type == "cuda":
             gc.collect()

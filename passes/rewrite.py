@@ -52,21 +52,28 @@ def refresh(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+_UNKNOWN = object()
+
+
 def insert_before(anchor: torch.fx.Node, op: str, target: Any, args: tuple, kwargs: dict | None = None,
-                  created_by: str = "", name: str | None = None) -> torch.fx.Node:
-    """Create a node just before ``anchor``, inheriting its module provenance; shapes computed."""
+                  created_by: str = "", name: str | None = None, val: Any = _UNKNOWN) -> torch.fx.Node:
+    """Create a node just before ``anchor``, inheriting its module provenance; shapes computed
+    (or taken from ``val`` when the caller already knows the node's value)."""
     with anchor.graph.inserting_before(anchor):
         node = anchor.graph.create_node(op, target, args, kwargs or {}, name=name)
     src = source_of(anchor)
     node.meta[SOURCE] = SourceInfo(src.module_path, src.module_type, created_by or src.created_by)
+    if val is not _UNKNOWN:
+        node.meta[VAL] = val
+        return node
     return refresh(node)
 
 
 def insert_after(anchor: torch.fx.Node, op: str, target: Any, args: tuple, kwargs: dict | None = None,
-                 created_by: str = "", name: str | None = None) -> torch.fx.Node:
+                 created_by: str = "", name: str | None = None, val: Any = _UNKNOWN) -> torch.fx.Node:
     """Create a node just after ``anchor``; see ``insert_before``."""
     nxt = anchor.next
-    return insert_before(nxt, op, target, args, kwargs, created_by, name)
+    return insert_before(nxt, op, target, args, kwargs, created_by, name, val)
 
 
 def set_op_args(node: torch.fx.Node, **updates: Any) -> None:
@@ -188,10 +195,15 @@ def collapse_region(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: 
     sub.meta[FAKE_MODE_KEY] = gm.meta.get(FAKE_MODE_KEY)
     gm.add_submodule(name, wrap(sub))
     src = source_of(nodes[-1])
-    call = insert_after(nodes[-1], "call_module", name, tuple(inputs), created_by=created_by, name=name)
+    # the region computes exactly what its nodes did: their values are the call's (no need to run
+    # the wrapped body on fake tensors, which checkpoint wrappers do not all support)
+    vals = tuple(o.meta.get(VAL) for o in outputs)
+    call = insert_after(nodes[-1], "call_module", name, tuple(inputs), created_by=created_by, name=name,
+                        val=vals)
     anchor = call
     for k, out in enumerate(outputs):
-        anchor = insert_after(anchor, "call_function", operator.getitem, (call, k), created_by=created_by)
+        anchor = insert_after(anchor, "call_function", operator.getitem, (call, k), created_by=created_by,
+                              val=vals[k])
         out.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in members)
     for n in (call, *call.users):
         n.meta[SOURCE] = SourceInfo(src.module_path, src.module_type, created_by or src.created_by)

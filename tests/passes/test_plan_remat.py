@@ -170,3 +170,26 @@ def test_rank_programs_keep_forward_collectives_outside_regions(sp):
     single = make_plan(mambac.compile(model, example_inputs=(ids, labels)).program_for(ids, labels).gm, "none", None)
     assert plan.baseline < single.baseline   # the rank's sharded activations, not the whole model's
 
+
+
+def test_region_values_come_from_its_nodes_not_from_running_the_wrapper(monkeypatch):
+    """Inserting a region does not evaluate the checkpoint wrapper on fake tensors (torch 2.11 under
+    CUDA autocast could not); the call and its reads carry the values the moved nodes had."""
+    def refuse(self, *args):
+        raise AssertionError("RematRegion evaluated while it was inserted")
+
+    model, (ids, labels) = tiny_lm("mamba2"), batch()
+    plain = mambac.compile(model, example_inputs=(ids, labels)).program_for(ids, labels).gm
+    monkeypatch.setattr(RematRegion, "forward", refuse)
+    gm = mambac.compile(model, remat="full", example_inputs=(ids, labels)).program_for(ids, labels).gm
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("remat_")]
+    assert len(calls) == 2
+    for call in calls:
+        assert isinstance(call.meta["val"], tuple) and len(call.users) == len(call.meta["val"])
+        for read in call.users:
+            assert read.meta["val"] is call.meta["val"][read.args[1]]
+            assert isinstance(read.meta["val"], torch.Tensor)
+
+    def out_shape(g):
+        return tuple(next(iter(g.graph.find_nodes(op="output"))).args[0].meta["val"].shape)
+    assert out_shape(gm) == out_shape(plain)
