@@ -17,6 +17,7 @@ Usage: ``python benchmarks/bench_cp.py`` on a CUDA machine; ``--tiny`` runs a sm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -77,6 +78,14 @@ def cuda_graph(fn):
     return graph.replay
 
 
+def _reference(fn):
+    """``fn`` with the generated kernels off (the PyTorch forms)."""
+    def run():
+        with use_kernels("reference"):
+            return fn()
+    return run
+
+
 def timer(device: str):
     if device == "cuda":
         import triton.testing
@@ -135,18 +144,21 @@ def main(argv: list[str] | None = None) -> int:
                     float("inf"))),
                 "summaries (cumulative log-decay)": bench(lambda: cpf.ssd_summaries(
                     t["dt"], t["A"], t["dt_bias"], True, 0.0, float("inf"), ct)),
+                "summaries, PyTorch form": bench(_reference(lambda: cpf.ssd_summaries(
+                    t["dt"], t["A"], t["dt_bias"], True, 0.0, float("inf"), ct))),
                 "prefix combine": bench(lambda: cpf.incoming_state(states, decays, s["world"] - 1)),
                 "correction (+ z gate)": bench(lambda: cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])),
             }
         graphed = {}
         if device == "cuda":  # the GPU's own work, without Python's launch cost: replay CUDA graphs
-            with torch.no_grad():
-                for key, fn in (("local scan", lambda: local_scan(t, s["q"])),
-                                ("cp rank", lambda: cp_rank(t, s["q"], s["world"], gathered))):
+            for key, fn in (("local scan", lambda: local_scan(t, s["q"])),
+                            ("cp rank", lambda: cp_rank(t, s["q"], s["world"], gathered))):
+                for kind, body in (("fwd", fn), ("fwd+bwd", fwd_bwd(fn))):
                     try:
-                        graphed[key] = bench(cuda_graph(fn))
+                        with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
+                            graphed[kind, key] = bench(cuda_graph(body))
                     except Exception as exc:  # a piece that cannot be captured
-                        graphed[key] = f"not capturable ({type(exc).__name__})"
+                        graphed[kind, key] = f"not capturable ({type(exc).__name__}: {exc})"[:120]
     name = "S1 split in 4 (b4 l1024 h48 p64 n128 g1)" if device == "cuda" else "tiny (CPU)"
     print(f"context-parallel SSD overhead, {name}, {dtype}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
     print(f"check: zero incoming state reproduces the scan, rel err {err:.1e}")
@@ -155,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     for k, (base, cp) in rows.items():
         print(f"| {k} | {base:.1f} | {cp:.1f} | {cp - base:.1f} | {100 * (cp - base) / base:.1f}% |")
     print("forward pieces of the cp rank (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
-    if graphed:
-        base, cp = graphed["local scan"], graphed["cp rank"]
+    for kind in ("fwd", "fwd+bwd"):
+        if (kind, "local scan") not in graphed:
+            continue
+        base, cp = graphed[kind, "local scan"], graphed[kind, "cp rank"]
         extra = f"{cp - base:.1f} µs, {100 * (cp - base) / base:.1f}%" if isinstance(cp, float) and \
             isinstance(base, float) else "-"
-        print(f"forward as CUDA graphs (GPU work only): local scan {base}, cp rank {cp}, extra {extra}")
+        print(f"{kind} as CUDA graphs (GPU work only): local scan {base}, cp rank {cp}, extra {extra}")
     return 0
 
 

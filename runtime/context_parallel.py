@@ -109,7 +109,13 @@ def cp_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], activati
 def ssd_summaries(dt: Tensor, A: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float,
                   dt_max: float, ct: torch.dtype) -> Tensor:
     """Inclusive cumulative log-decay of every step of this piece, (b, l_r, h) in ``ct``; its last
-    step is the piece's total log-decay, the summary that travels with the final state."""
+    step is the piece's total log-decay, the summary that travels with the final state.  Where
+    generated kernels may run (fp32/bf16/fp16, ``ct`` fp32), one fused Triton kernel does it (and
+    its backward); otherwise, and for float64, this PyTorch form (the exact reference) runs."""
+    if ct == torch.float32 and mambac.ops.kernels_enabled(dt.device):
+        from mambac.codegen import cp_summaries_kernels as fused
+        if fused.supported(dt, A, dt_bias):
+            return fused.fused_summaries(dt, A, dt_bias, dt_softplus, dt_min, dt_max)
     from mambac.ops.ssd import process_dt
     return torch.cumsum(process_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, ct) * A.to(ct), dim=1)
 
