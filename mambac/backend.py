@@ -9,6 +9,10 @@ rules, as under ``mambac.compile``; ``MambacBackend(trace_backward=True)`` hands
 graph to AOTAutograd instead (docs/backend.md says why that is not the default).  Regions dynamo
 cannot capture (graph breaks) run as plain Python, as they would without mambac.
 
+On several ranks (``options={"world_size": W, "tp": ..., "cp": ...}``) the graph must be a model's
+whole forward: each rank runs the program ``mambac.compile`` would lower for it, on shards of the
+model's own parameters, whose gradients come back whole on every rank (``mambac.backend_parallel``).
+
 The backend is registered through the ``torch_dynamo_backends`` entry point, so
 ``backend="mambac"`` works after ``pip install`` without importing mambac first.  Options are
 ``mambac.compile``'s, validated by ``CompileOptions.create``.  Every pass's counts land in
@@ -231,25 +235,45 @@ class MambacBackend:
     ``torch.compile(model, backend=MambacBackend(**options))`` is
     ``torch.compile(model, backend="mambac", options=options)`` plus the record.  With
     ``trace_backward=True`` the lowered graph goes through AOTAutograd (forward and backward traced
-    at compile time; see docs/backend.md for its costs) instead of running as it is.
+    at compile time; see docs/backend.md for its costs) instead of running as it is.  With
+    ``world_size > 1`` the process group is checked (and the mesh made) here, before any graph,
+    and ``graphs`` holds this rank's lowered programs.
     """
 
     def __init__(self, *, trace_backward: bool = False, **options: Any) -> None:
         self.options = CompileOptions.create(**options)
+        self.mesh = None
         if self.options.world_size > 1:
-            raise MambacOptionsError(
-                f"world_size={self.options.world_size}: the torch.compile backend lowers one device's graph; "
-                "for several ranks use mambac.compile(model, world_size=...), which shards the model itself.")
+            from mambac.backend_parallel import check_parallel_options, parallel_mesh
+            check_parallel_options(self.options)
+            if trace_backward:
+                raise MambacOptionsError("trace_backward=True runs on one rank only; drop it for world_size > 1.")
+            self.mesh = parallel_mesh(self.options)
         self.trace_backward = trace_backward
         self.graphs: list[LoweredGraph] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         _reject_extra_arguments(kwargs)
+        if self.mesh is not None:
+            return self._parallel(gm, example_inputs)
         lowered = lower_graph(gm, example_inputs, self.options)
         self.graphs.append(lowered)
         if self.trace_backward:
             return _with_aot_autograd(lowered.gm, example_inputs)
         return lowered.gm.forward
+
+    def _parallel(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        """This rank's program for the model behind ``gm`` (mambac/backend_parallel.py), lowered now
+        for the example inputs so errors surface at the first call."""
+        from mambac.backend_parallel import ParallelGraph, whole_forward
+        frame = whole_forward(gm, example_inputs)
+        dump = _context(self.options).dump_dir
+        run = ParallelGraph(frame, self.options, self.mesh, dump)
+        program, _ = run.program(list(frame.values))
+        recognise_mixers(gm, program.ctx)
+        _count(program.ctx)
+        self.graphs.append(LoweredGraph(gm=program.gm, ctx=program.ctx))
+        return run
 
 
 def _reject_extra_arguments(kwargs: dict) -> None:

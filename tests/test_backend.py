@@ -78,7 +78,8 @@ def test_entry_point_finds_the_backend_without_importing_mambac(tmp_path):
     (dict(wold_size=1), "unknown compile option 'wold_size'. Did you mean 'world_size'?"),
     (dict(kernels="fast"), "kernels must be one of"),
     (dict(trace_backward=True), "unknown compile option 'trace_backward'"),
-    (dict(world_size=2), "for several ranks use mambac.compile"),
+    (dict(world_size=2, dp=2), "dp=2 is not supported by the torch.compile backend on several ranks"),
+    (dict(world_size=2, tp=1, cp=2, cp_inputs="local"), "cp_inputs='local' is not supported by the torch.compile"),
 ])
 def test_bad_options_reach_the_user(options, message):
     compiled = torch.compile(lambda t: t + 1, backend="mambac", options=options)
@@ -87,6 +88,26 @@ def test_bad_options_reach_the_user(options, message):
     err = getattr(info.value, "inner_exception", info.value)  # dynamo wraps it in BackendCompilerFailed
     assert isinstance(err, MambacOptionsError)
     assert message in str(info.value)
+
+
+def test_several_ranks_without_a_process_group_is_a_clear_error(monkeypatch):
+    """world_size > 1 needs the process group the launcher starts; without one (and without a
+    launcher's environment to start it from) the backend says how to launch, before lowering."""
+    import torch.distributed as dist
+    from mambac.errors import MambacRuntimeError
+    assert not dist.is_initialized()
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(MambacRuntimeError, match=r"options world_size=2 needs a torch.distributed process group, "
+                                                 r"and none is initialised .*`mambac run -n 2 script.py`"):
+        MambacBackend(world_size=2, tp=2)
+    compiled = torch.compile(tiny_lm("mamba2", n_layer=1), backend="mambac", options={"world_size": 2})
+    with pytest.raises(Exception) as info:
+        compiled(torch.randint(0, 37, (1, 6)))
+    assert isinstance(getattr(info.value, "inner_exception", None), MambacRuntimeError)
+    assert counters["mambac"]["graphs"] == 0  # nothing was lowered
+    with pytest.raises(MambacOptionsError, match="trace_backward=True runs on one rank only"):
+        MambacBackend(world_size=2, trace_backward=True)
 
 
 def test_mode_is_rejected():
