@@ -15,10 +15,10 @@ import importlib
 import importlib.util
 import sys
 import types
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,6 +39,8 @@ def import_codegen():
 
 
 import_codegen()
+from tests.codegen.scan_cases import (TOL, mamba3_mimo_args, mamba3_siso_args, scan_errors,  # noqa: E402
+                                      selective_scan_args)
 from mambac.codegen import mamba3_kernels as M3  # noqa: E402
 from mambac.codegen import mamba3_mimo_kernels as MM  # noqa: E402
 from mambac.codegen import selective_scan_kernels as SS  # noqa: E402
@@ -47,6 +49,9 @@ ssop = importlib.import_module("mambac.ops.selective_scan")
 mmop = importlib.import_module("mambac.ops.mamba3_mimo")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ss_inputs = partial(selective_scan_args, device=DEV)
+m3_inputs = partial(mamba3_siso_args, device=DEV)
+mm_inputs = partial(mamba3_mimo_args, device=DEV)
 SS_SHAPES = {"ss-odd": dict(b=2, d=37, l=301, n=13, g=0), "ss-130m": dict(b=2, d=1536, l=2048, n=16, g=0),
              "ss-grouped": dict(b=1, d=1024, l=4096, n=16, g=4)}
 M3_SHAPES = {"m3-odd": dict(b=2, l=211, h=5, p=24, n=30, g=1, s=7),
@@ -55,49 +60,11 @@ MM_SHAPES = {"mimo-odd": dict(b=2, l=133, h=3, p=24, n=30, g=1, s=5, r=2),
              "mimo-model": dict(b=2, l=2048, h=16, p=64, n=64, g=1, s=16, r=4)}
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def ss_inputs(b, d, l, n, g, dtype):
-    bc = (b, n, l) if g == 0 else (b, g, n, l)
-    args = [torch.randn(b, d, l), torch.randn(b, d, l) * 0.5 - 1.0, -torch.rand(d, n) - 0.3, torch.randn(*bc),
-            torch.randn(*bc), torch.randn(d), torch.randn(b, d, l), torch.randn(d) * 0.3, torch.randn(b, d, n)]
-    return [a.to(DEV, dtype if i in (0, 1, 3, 4, 6) else torch.float32) for i, a in enumerate(args)] + [True]
-
-
-def m3_inputs(b, l, h, p, n, g, s, dtype):
-    dt = F.softplus(torch.randn(b, l, h) - 1.0)
-    args = [torch.randn(b, l, h, p), torch.randn(b, l, g, n), torch.randn(b, l, g, n), dt,
-            -dt * (torch.rand(h) + 0.5), torch.randn(b, l, h), torch.randn(b, l, h, s), torch.randn(h, n) * 0.3,
-            torch.randn(h, n) * 0.3, torch.randn(h), torch.randn(b, l, h, p), torch.randn(b, h, s),
-            torch.randn(b, h, p, n), torch.randn(b, h, n), torch.randn(b, h, p)]
-    return [a.to(DEV, dtype if i in (0, 1, 2, 10) else torch.float32) for i, a in enumerate(args)] + [64]
-
-
-def mm_inputs(b, l, h, p, n, g, s, r, dtype):
-    dt = F.softplus(torch.randn(b, l, h) - 1.0)
-    args = [torch.randn(b, l, h, p), torch.randn(b, l, r, g, n), torch.randn(b, l, r, g, n), dt,
-            -dt * (torch.rand(h) + 0.5), torch.randn(b, l, h), torch.randn(b, l, h, s), torch.randn(h, r, n) * 0.3,
-            torch.randn(h, r, n) * 0.3, torch.randn(h, r, p), torch.randn(h, r, p), torch.randn(h, r, p),
-            torch.randn(h), torch.randn(b, l, h, p), torch.randn(b, h, s), torch.randn(b, h, p, n),
-            torch.randn(b, r, h, n), torch.randn(b, h, p)]
-    return [a.to(DEV, dtype if i in (0, 1, 2, 13) else torch.float32) for i, a in enumerate(args)] + [16]
-
-
 def check_one(name, args, reference, forward, backward, dtype):
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    ref_in = [a.double().requires_grad_(True) if i in tensors else a for i, a in enumerate(args)]
-    refs = reference(*ref_in)
-    gouts = [torch.randn_like(o, dtype=dtype if k == 0 else torch.float32) for k, o in enumerate(refs)]
-    sum((o * g.double()).sum() for o, g in zip(refs, gouts)).backward()
-    outs = forward(*args)
-    grads = backward(args, gouts, [True] * len(args))
-    errs = [rel(o, r) for o, r in zip(outs, refs)] + [rel(g, ref_in[i].grad) for i, g in enumerate(grads)
-                                                     if i in tensors]
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    print(f"check {name:12s} {str(dtype):15s} max rel err {max(errs):.2e}  "
-          f"{'ok' if max(errs) <= tol else 'FAIL'} (tol {tol})", flush=True)
+    errs = scan_errors(args, reference, forward, backward)
+    worst, tol = max(errs.values()), TOL[dtype]
+    print(f"check {name:12s} {str(dtype):15s} max rel err {worst:.2e}  "
+          f"{'ok' if worst <= tol else 'FAIL'} (tol {tol})", flush=True)
 
 
 def time_one(name, args, op_forward):

@@ -8,25 +8,18 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch
 from torch import Tensor
 
 from mambac.codegen import render_mamba3 as R
 from mambac.codegen.autotune import interpreting
-from mambac.codegen.kernel_ir import IO_DTYPES
+from mambac.codegen.mamba3_launch import Mamba3Call, backward, forward
 from mambac.codegen.scan_ir import Mamba3SisoRegion, io_of
-from mambac.codegen.scan_launch import cdiv, dense, pow2, run_tuned, tiles
+from mambac.codegen.scan_launch import cast, cdiv, pow2, scan_supports
 
 DEFAULT_CHUNK = 32  # steps between checkpoints; the backward's scratch holds one chunk of states
 
 
-def supports(*args) -> bool:
-    """fp32 / bf16 / fp16 tensors on one device (float64 runs the reference)."""
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    if not tensors or args[0].dtype not in [v[0] for v in IO_DTYPES.values()]:
-        return False
-    dev = args[0].device
-    return all(t.device == dev and t.dtype != torch.float64 and t.is_floating_point() for t in tensors)
+supports = scan_supports  # fp32 / bf16 / fp16 tensors on one device (float64 runs the reference)
 
 
 def region_of(args: Sequence, chunk: int = DEFAULT_CHUNK) -> Mamba3SisoRegion:
@@ -38,23 +31,16 @@ def region_of(args: Sequence, chunk: int = DEFAULT_CHUNK) -> Mamba3SisoRegion:
         init_ssm=iss is not None, init_k=ik is not None, init_v=iv is not None)
 
 
-class _Call:
+class _Call(Mamba3Call):
+    N_TENSORS = 15
+
     def __init__(self, args: Sequence, chunk: int):
-        x, B, angles = args[0], args[1], args[6]
-        self.region = region_of(args, chunk)
-        self.b, self.l, self.h, self.p = x.shape
-        self.g, self.n, self.s = B.shape[2], B.shape[3], angles.shape[3]
-        self.nc = cdiv(self.l, chunk)
-        self.t = [dense(a) for a in args[:15]]  # every tensor argument, innermost dims dense
-        self.x = self.t[0]
+        super().__init__(args, region_of(args, chunk), chunk)
 
     def inputs(self) -> list:
         r, t = self.region, self.t
         return t[:7] + [a for a, on in ((t[7], r.has_B_bias), (t[8], r.has_C_bias), (t[9], r.has_D),
                                         (t[10], r.has_z)) if on]
-
-    def inits(self) -> list:
-        return [a for a in self.t[11:15] if a is not None]
 
     def sizes(self) -> list[int]:
         return [self.l, self.h, self.g, self.h // self.g, self.p, self.n, self.s, self.nc]
@@ -66,32 +52,13 @@ class _Call:
     def bucket(self) -> tuple:
         return (self.b, self.l, self.h, self.p, self.n)
 
-    def empty(self, *shape) -> Tensor:
-        return torch.empty(*shape, device=self.x.device, dtype=torch.float32)
-
-
-def _forward(call: _Call, with_out: bool, checkpoints: bool):
-    r, b, h, p, n, s, nc = call.region, call.b, call.h, call.p, call.n, call.s, call.nc
-    outs = ([torch.empty(b, call.l, h, p, device=call.x.device, dtype=call.x.dtype), call.empty(b, h, s),
-             call.empty(b, h, p, n), call.empty(b, h, n), call.empty(b, h, p)] if with_out else [])
-    ckpts = ([call.empty(b, h, nc, p, n), call.empty(b, h, nc, call.nh), call.empty(b, h, nc, n),
-              call.empty(b, h, nc, p)] if checkpoints else [])
-
-    def launch(kern, cfg):
-        bp = min(cfg.block_m, pow2(p))
-        kern.launch((b * h, cdiv(p, bp)), call.inputs() + call.inits() + outs + ckpts + call.sizes(),
-                    dict(BP=bp, NH=call.nh, T=r.chunk), cfg.num_warps, cfg.num_stages)
-
-    run_tuned(R.FWD, (r, with_out, checkpoints),
-              lambda: R.render_forward(r, with_out=with_out, checkpoints=checkpoints), r.summary(),
-              call.bucket(), tiles(max(2, pow2(p) // 2), ((32, 4), (64, 4))), launch)
-    return outs, ckpts
+    def scratch_per_step(self, bp: int) -> int:
+        return 2 * bp * self.nh + 4 * self.nh + bp
 
 
 def mamba3_siso_forward(*args, chunk: int = DEFAULT_CHUNK):
     """``mambac::mamba3_siso`` with generated kernels: (y, final_angle, final_ssm, final_k, final_v)."""
-    outs, _ = _forward(_Call(args, chunk), True, False)
-    return tuple(outs)
+    return tuple(forward(R, _Call(args, chunk), True, False)[0])
 
 
 def mamba3_siso_backward(args: Sequence, grads: Sequence[Optional[Tensor]],
@@ -99,49 +66,12 @@ def mamba3_siso_backward(args: Sequence, grads: Sequence[Optional[Tensor]],
     """Gradients of every argument (None for absent ones and chunk_size), given the output
     gradients (gy, g_angle, g_ssm, g_k, g_v; None where unused)."""
     call = _Call(args, chunk)
-    r, b, l, h, p, n, s = call.region, call.b, call.l, call.h, call.p, call.n, call.s
-    _, ckpts = _forward(call, False, True)
-    shapes = [(b, l, h, p), (b, h, s), (b, h, p, n), (b, h, n), (b, h, p)]
-    gs = [torch.zeros(sh, device=call.x.device, dtype=torch.float32) if g is None else dense(g)
-          for g, sh in zip(grads, shapes)]
-    gs[1:] = [g.to(torch.float32) for g in gs[1:]]
-    outs: dict[int, list] = {}
-
-    def buffers(bp: int) -> list:
-        """Outputs for headdim blocks of bp: sums over headdim get a leading block axis."""
-        if bp not in outs:
-            k, e = cdiv(p, bp), call.empty
-            outs[bp] = [e(b, l, h, p), e(k, b, l, h, n), e(k, b, l, h, n), e(k, b, l, h), e(k, b, l, h),
-                        e(k, b, l, h), e(k, b, l, h, s), e(k, b, h, s), e(b, h, p, n), e(k, b, h, n), e(b, h, p)]
-            outs[bp] += [t for t, on in ((e(k, b, h), r.has_D), (e(b, l, h, p), r.has_z)) if on]
-            outs[bp].append(e(b * h * k * r.chunk * (2 * bp * call.nh + 4 * call.nh + bp)))  # scratch
-        return outs[bp]
-
-    def launch(kern, cfg):
-        bp = min(cfg.block_m, pow2(p))
-        *res, scratch = buffers(bp)
-        kern.launch((b * h, cdiv(p, bp)), call.inputs() + ckpts + [scratch] + gs + res + call.sizes() + [b],
-                    dict(BP=bp, NH=call.nh, T=r.chunk), cfg.num_warps, cfg.num_stages)
-        return bp
-
-    bp = run_tuned(R.BWD, r, lambda: R.render_backward(r), r.summary(), call.bucket(),
-                   tiles(max(2, pow2(p) // 2), ((32, 4), (64, 8))), launch)
-    res = buffers(bp)[:-1]
-    dx, dBh, dCh, ddt, dadt, dtrap, dang, dia, dis, dik, div = res[:11]
-    dBh, dCh, ddt, dadt, dtrap, dang, dia, dik = (t.sum(0) for t in (dBh, dCh, ddt, dadt, dtrap, dang, dia, dik))
-    dinit = [dia, dis, dik, div]
-    dD = res[11].sum(0) if r.has_D else None
-    dz = res[-1] if r.has_z else None
-    x, B, C, dt, adt, trap, angles, Bb, Cb, D, z, ia, iss, ik, iv, _ = args
-    g = call.g
-    dB = dBh.unflatten(2, (g, h // g)).sum(3)
-    dC = dCh.unflatten(2, (g, h // g)).sum(3)
-
-    def cast(t, like):
-        return None if like is None else t.to(like.dtype)
-
-    return (cast(dx, x), cast(dB, B), cast(dC, C), cast(ddt, dt), cast(dadt, adt), cast(dtrap, trap),
-            cast(dang, angles), None if Bb is None else cast(dBh.sum((0, 1)), Bb),
-            None if Cb is None else cast(dCh.sum((0, 1)), Cb), None if D is None else cast(dD.sum(0), D),
-            None if z is None else cast(dz, z), cast(dinit[0], ia), cast(dinit[1], iss), cast(dinit[2], ik),
-            cast(dinit[3], iv), None)
+    r, e, b, l, h, p = call.region, call.empty, call.b, call.l, call.h, call.p
+    got = backward(R, call, args, grads,
+                   lambda k: [t for t, on in ((e(k, b, h), r.has_D), (e(b, l, h, p), r.has_z)) if on])
+    dD = got.extra[0].sum(0) if r.has_D else None
+    dz = got.extra[-1] if r.has_z else None
+    Bb, Cb, D, z = args[7:11]
+    return (*got.leading, None if Bb is None else cast(got.dBh.sum((0, 1)), Bb),
+            None if Cb is None else cast(got.dCh.sum((0, 1)), Cb), None if D is None else cast(dD.sum(0), D),
+            None if z is None else cast(dz, z), *got.inits, None)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch
 from torch import Tensor
 
 from mambac.codegen import render_mamba3_mimo as R
 from mambac.codegen.autotune import interpreting
-from mambac.codegen.mamba3_kernels import supports as _supports
+from mambac.codegen.mamba3_launch import Mamba3Call, backward, forward
 from mambac.codegen.scan_ir import Mamba3MimoRegion, io_of
-from mambac.codegen.scan_launch import cdiv, dense, pow2, run_tuned, tiles
+from mambac.codegen.scan_launch import cast, pow2, scan_supports
 
 DEFAULT_CHUNK = 32
 MAX_RANK = 16  # the rank is unrolled in the source; beyond this the reference runs
@@ -23,7 +22,7 @@ MAX_RANK = 16  # the rank is unrolled in the source; beyond this the reference r
 
 def supports(*args) -> bool:
     """fp32 / bf16 / fp16 tensors on one device, even dstate, rank <= MAX_RANK."""
-    return _supports(*args) and args[1].shape[2] <= MAX_RANK and args[1].shape[-1] % 2 == 0
+    return scan_supports(*args) and args[1].shape[2] <= MAX_RANK and args[1].shape[-1] % 2 == 0
 
 
 def region_of(args: Sequence, chunk: int = DEFAULT_CHUNK) -> Mamba3MimoRegion:
@@ -36,23 +35,17 @@ def region_of(args: Sequence, chunk: int = DEFAULT_CHUNK) -> Mamba3MimoRegion:
         init_v=iv is not None)
 
 
-class _Call:
+class _Call(Mamba3Call):
+    N_TENSORS = 18
+
     def __init__(self, args: Sequence, chunk: int):
-        x, B, angles = args[0], args[1], args[6]
-        self.b, self.l, self.h, self.p = x.shape
-        self.r, self.g, self.n, self.s = B.shape[2], B.shape[3], B.shape[4], angles.shape[3]
-        self.region = region_of(args, chunk)
-        self.nc = cdiv(self.l, chunk)
-        self.t = [dense(a) for a in args[:18]]  # every tensor argument, innermost dims dense
-        self.x = self.t[0]
+        super().__init__(args, region_of(args, chunk), chunk)
+        self.r = args[1].shape[2]
 
     def inputs(self) -> list:
         r, t = self.region, self.t
         return t[:7] + [t[9]] + [a for a, on in ((t[7], r.has_B_bias), (t[8], r.has_C_bias), (t[10], r.has_z),
                                                  (t[11], r.has_mimo_o), (t[12], r.has_D), (t[13], r.has_z)) if on]
-
-    def inits(self) -> list:
-        return [a for a in self.t[14:18] if a is not None]
 
     def sizes(self) -> list[int]:
         return [self.l, self.h, self.g, self.h // self.g, self.p, self.n, self.n // 2, self.s, self.nc]
@@ -64,36 +57,20 @@ class _Call:
     def bucket(self) -> tuple:
         return (self.b, self.l, self.h, self.p, self.n, self.r)
 
-    def empty(self, *shape) -> Tensor:
-        return torch.empty(*shape, device=self.x.device, dtype=torch.float32)
+    def scratch_per_step(self, bp: int) -> int:
+        return 2 * bp * self.nh + 2 * self.r * self.nh + bp + self.nh
+
+    def keys(self) -> tuple:
+        return (self.r,)
 
     def y_shape(self) -> tuple:
         b, l, h, p = self.b, self.l, self.h, self.p
         return (b, l, h, p) if self.region.has_mimo_o else (b, l, self.r, h, p)
 
 
-def _forward(call: _Call, with_out: bool, checkpoints: bool):
-    r, b, h, p, n, s, nc = call.region, call.b, call.h, call.p, call.n, call.s, call.nc
-    outs = ([torch.empty(call.y_shape(), device=call.x.device, dtype=call.x.dtype), call.empty(b, h, s),
-             call.empty(b, h, p, n), call.empty(b, call.r, h, n), call.empty(b, h, p)] if with_out else [])
-    ckpts = ([call.empty(b, h, nc, p, n), call.empty(b, h, nc, call.nh), call.empty(b, h, nc, call.r, n),
-              call.empty(b, h, nc, p)] if checkpoints else [])
-
-    def launch(kern, cfg):
-        bp = min(cfg.block_m, pow2(p))
-        kern.launch((b * h, cdiv(p, bp)), call.inputs() + call.inits() + outs + ckpts + call.sizes(),
-                    dict(BP=bp, NH=call.nh, T=r.chunk), cfg.num_warps, cfg.num_stages)
-
-    run_tuned(R.FWD, (r, with_out, checkpoints),
-              lambda: R.render_forward(r, with_out=with_out, checkpoints=checkpoints), r.summary(),
-              call.bucket(), tiles(max(2, pow2(p) // 2), ((32, 4), (64, 4))), launch)
-    return outs, ckpts
-
-
 def mamba3_mimo_forward(*args, chunk: int = DEFAULT_CHUNK):
     """``mambac::mamba3_mimo`` with generated kernels: (y, final_angle, final_ssm, final_k, final_v)."""
-    outs, _ = _forward(_Call(args, chunk), True, False)
-    return tuple(outs)
+    return tuple(forward(R, _Call(args, chunk), True, False)[0])
 
 
 def mamba3_mimo_backward(args: Sequence, grads: Sequence[Optional[Tensor]],
@@ -101,55 +78,22 @@ def mamba3_mimo_backward(args: Sequence, grads: Sequence[Optional[Tensor]],
     """Gradients of every argument (None for absent ones and chunk_size), given the output
     gradients (gy, g_angle, g_ssm, g_k, g_v; None where unused)."""
     call = _Call(args, chunk)
-    r, b, l, h, p, n, s, rk = call.region, call.b, call.l, call.h, call.p, call.n, call.s, call.r
-    _, ckpts = _forward(call, False, True)
-    shapes = [call.y_shape(), (b, h, s), (b, h, p, n), (b, rk, h, n), (b, h, p)]
-    gs = [torch.zeros(sh, device=call.x.device, dtype=torch.float32) if g is None else dense(g)
-          for g, sh in zip(grads, shapes)]
-    gs[1:] = [g.to(torch.float32) for g in gs[1:]]
-    nh, outs = call.nh, {}
+    r, e, b, l, h, p, rk = call.region, call.empty, call.b, call.l, call.h, call.p, call.r
 
-    def buffers(bp: int) -> list:
-        """Outputs for headdim blocks of bp: sums over headdim get a leading block axis."""
-        if bp not in outs:
-            k, e = cdiv(p, bp), call.empty
-            outs[bp] = [e(b, l, h, p), e(k, b, l, rk, h, n), e(k, b, l, rk, h, n), e(k, b, l, h), e(k, b, l, h),
-                        e(k, b, l, h), e(k, b, l, h, s), e(k, b, h, s), e(b, h, p, n), e(k, b, rk, h, n), e(b, h, p),
-                        e(b, h, rk, p)]
-            outs[bp] += [t for t, on in ((e(b, h, rk, p), r.has_z), (e(b, h, rk, p), r.has_mimo_o),
-                                         (e(k, b, h), r.has_D), (e(b, l, h, p), r.has_z)) if on]
-            outs[bp].append(e(b * h * k * r.chunk * (2 * bp * nh + 2 * rk * nh + bp + nh)))  # scratch
-        return outs[bp]
+    def extra(k: int) -> list:
+        """dux, then duz, duo, per-block dD, dz where the region has them."""
+        return [e(b, h, rk, p)] + [t for t, on in ((e(b, h, rk, p), r.has_z), (e(b, h, rk, p), r.has_mimo_o),
+                                                   (e(k, b, h), r.has_D), (e(b, l, h, p), r.has_z)) if on]
 
-    def launch(kern, cfg):
-        bp = min(cfg.block_m, pow2(p))
-        *res, scratch = buffers(bp)
-        kern.launch((b * h, cdiv(p, bp)), call.inputs() + ckpts + [scratch] + gs + res + call.sizes() + [b],
-                    dict(BP=bp, NH=nh, T=r.chunk), cfg.num_warps, cfg.num_stages)
-        return bp
-
-    bp = run_tuned(R.BWD, r, lambda: R.render_backward(r), r.summary(), call.bucket(),
-                   tiles(max(2, pow2(p) // 2), ((32, 4), (64, 8))), launch)
-    res = buffers(bp)[:-1]
-    dx, dBh, dCh, ddt, dadt, dtrap, dang, dia, dis, dik, div, dux = res[:12]
-    dBh, dCh, ddt, dadt, dtrap, dang, dia, dik = (t.sum(0) for t in (dBh, dCh, ddt, dadt, dtrap, dang, dia, dik))
-    dinit = [dia, dis, dik, div]
-    rest = iter(res[12:])
+    got = backward(R, call, args, grads, extra)
+    rest = iter(got.extra)
+    dux = next(rest)
     duz = next(rest) if r.has_z else None
     duo = next(rest) if r.has_mimo_o else None
     dD = next(rest).sum(0) if r.has_D else None
     dz = next(rest) if r.has_z else None
-    x, B, C, dt, adt, trap, angles, Bb, Cb, ux, uz, uo, D, z, ia, iss, ik, iv, _ = args
-    g = call.g
-    dB = dBh.unflatten(3, (g, h // g)).sum(4)
-    dC = dCh.unflatten(3, (g, h // g)).sum(4)
-
-    def cast(t, like):
-        return None if like is None else t.to(like.dtype)
-
-    return (cast(dx, x), cast(dB, B), cast(dC, C), cast(ddt, dt), cast(dadt, adt), cast(dtrap, trap),
-            cast(dang, angles), None if Bb is None else cast(dBh.sum((0, 1)).transpose(0, 1), Bb),
-            None if Cb is None else cast(dCh.sum((0, 1)).transpose(0, 1), Cb), cast(dux.sum(0), ux),
+    Bb, Cb, ux, uz, uo, D, z = args[7:14]
+    return (*got.leading, None if Bb is None else cast(got.dBh.sum((0, 1)).transpose(0, 1), Bb),
+            None if Cb is None else cast(got.dCh.sum((0, 1)).transpose(0, 1), Cb), cast(dux.sum(0), ux),
             None if uz is None else cast(duz.sum(0), uz), None if uo is None else cast(duo.sum(0), uo),
-            None if D is None else cast(dD.sum(0), D), None if z is None else cast(dz, z),
-            cast(dinit[0], ia), cast(dinit[1], iss), cast(dinit[2], ik), cast(dinit[3], iv), None)
+            None if D is None else cast(dD.sum(0), D), None if z is None else cast(dz, z), *got.inits, None)

@@ -18,192 +18,112 @@ outputs and the launcher adds them.
 """
 from __future__ import annotations
 
-from mambac.codegen.render_scan_common import header, silu_gate, to_out
+from mambac.codegen.render_mamba3_common import (Key, Mamba3Source, advance_angle, consts, headdim_block_partials,
+                                                 load_checkpoint, load_key, load_state_grads, mixing, rotate,
+                                                 shift, step_loads, store_bc_grads, store_dD, store_initial_grads,
+                                                 store_key, store_step_grads)
+from mambac.codegen.render_scan_common import silu_gate, skip_gate_store
 from mambac.codegen.scan_ir import Mamba3SisoRegion
 from mambac.codegen.writer import Writer
 
 FWD = "mamba3_siso_fwd"
 BWD = "mamba3_siso_bwd"
-SIZES = ["L", "H", "G", "HPG", "P", "N", "S", "NC"]
-CONSTS = ["BP: tl.constexpr", "NH: tl.constexpr", "T: tl.constexpr"]
+KEY = Key("", "hb * N", "ci * N")  # the one key: ke/ko, (batch, heads, dstate) states
 
 
-def _inputs(r: Mamba3SisoRegion) -> list[str]:
-    out = ["x_ptr", "B_ptr", "C_ptr", "dt_ptr", "adt_ptr", "trap_ptr", "ang_ptr"]
-    return out + [n for n, on in (("Bb_ptr", r.has_B_bias), ("Cb_ptr", r.has_C_bias), ("D_ptr", r.has_D),
-                                  ("z_ptr", r.has_z)) if on]
+class _Siso(Mamba3Source):
+    FWD, BWD = FWD, BWD
+    SIZES = ["L", "H", "G", "HPG", "P", "N", "S", "NC"]
+    NOTE_LAST_X = True
 
+    def inputs(self) -> list[str]:
+        r = self.r
+        out = ["x_ptr", "B_ptr", "C_ptr", "dt_ptr", "adt_ptr", "trap_ptr", "ang_ptr"]
+        return out + [n for n, on in (("Bb_ptr", r.has_B_bias), ("Cb_ptr", r.has_C_bias), ("D_ptr", r.has_D),
+                                      ("z_ptr", r.has_z)) if on]
 
-def _inits(r: Mamba3SisoRegion) -> list[str]:
-    return [n for n, on in (("ia_ptr", r.init_angle), ("is_ptr", r.init_ssm), ("ik_ptr", r.init_k),
-                            ("iv_ptr", r.init_v)) if on]
+    def keys(self) -> list[Key]:
+        return [KEY]
 
+    def lanes(self, w: Writer) -> None:
+        """Even / odd state columns; the B/C biases of the head."""
+        w.lines("m_p = offs_p < P", "offs_i = tl.arange(0, NH)", "ne = 2 * offs_i", "no = ne + 1",
+                "m_e = ne < N", "m_o = no < N", "m_a = offs_i < S", "lane0 = offs_i == 0",
+                "me2 = m_p[:, None] & m_e[None, :]", "mo2 = m_p[:, None] & m_o[None, :]",
+                "hb = bi * H + hi  # flat (batch, head)")
+        for name, on, ptr in (("Bb", self.r.has_B_bias, "Bb_ptr"), ("Cb", self.r.has_C_bias, "Cb_ptr")):
+            if on:
+                w.line(f"{name}e = tl.load({ptr} + hi * N + ne, mask=m_e, other=0.0).to(tl.float32)")
+                w.line(f"{name}o = tl.load({ptr} + hi * N + no, mask=m_o, other=0.0).to(tl.float32)")
 
-def _prologue(w: Writer, r: Mamba3SisoRegion, p_block: bool) -> None:
-    w.lines("pid = tl.program_id(0)", "bi = (pid // H).to(tl.int64)", "hi = pid % H", "gi = hi // HPG")
-    w.line("offs_p = tl.program_id(1) * BP + tl.arange(0, BP)" if p_block else "offs_p = tl.arange(0, BP)")
-    w.lines("m_p = offs_p < P", "offs_i = tl.arange(0, NH)", "ne = 2 * offs_i", "no = ne + 1",
-            "m_e = ne < N", "m_o = no < N", "m_a = offs_i < S", "lane0 = offs_i == 0",
-            "me2 = m_p[:, None] & m_e[None, :]", "mo2 = m_p[:, None] & m_o[None, :]",
-            "hb = bi * H + hi  # flat (batch, head)")
-    for name, on, ptr in (("Bb", r.has_B_bias, "Bb_ptr"), ("Cb", r.has_C_bias, "Cb_ptr")):
-        if on:
-            w.line(f"{name}e = tl.load({ptr} + hi * N + ne, mask=m_e, other=0.0).to(tl.float32)")
-            w.line(f"{name}o = tl.load({ptr} + hi * N + no, mask=m_o, other=0.0).to(tl.float32)")
-    if r.has_D:
-        w.line("Dv = tl.load(D_ptr + hi).to(tl.float32)")
+    def describe_forward(self) -> str:
+        return "Sequential Mamba-3 SISO scan, state in fp32 registers as even/odd column halves"
 
+    def store_checkpoint_keys(self, w: Writer) -> None:
+        store_key(w, "ck_ptr", KEY.ckpt, "kp", KEY)
+        w.line("tl.store(cx_ptr + ci * P + offs_p, xp, mask=m_p)")
 
-def _init_state(w: Writer, r: Mamba3SisoRegion) -> None:
-    z2 = "tl.zeros((BP, NH), dtype=tl.float32)"
-    if r.init_ssm:
-        for hf, lanes, m in (("e", "ne", "me2"), ("o", "no", "mo2")):
-            w.line(f"S{hf} = tl.load(is_ptr + hb * P * N + offs_p[:, None] * N + {lanes}[None, :], "
-                   f"mask={m}, other=0.0).to(tl.float32)")
-    else:
-        w.lines(f"Se = {z2}", f"So = {z2}")
-    w.line("theta = " + ("tl.load(ia_ptr + hb * S + offs_i, mask=m_a, other=0.0).to(tl.float32)"
-                         if r.init_angle else "tl.zeros((NH,), dtype=tl.float32)"))
-    if r.init_k:
-        w.line("kpe = tl.load(ik_ptr + hb * N + ne, mask=m_e, other=0.0).to(tl.float32)")
-        w.line("kpo = tl.load(ik_ptr + hb * N + no, mask=m_o, other=0.0).to(tl.float32)")
-    else:
-        w.lines("kpe = tl.zeros((NH,), dtype=tl.float32)", "kpo = tl.zeros((NH,), dtype=tl.float32)")
-    w.line("xp = " + ("tl.load(iv_ptr + hb * P + offs_p, mask=m_p, other=0.0).to(tl.float32)"
-                      if r.init_v else "tl.zeros((BP,), dtype=tl.float32)"))
+    def forward_step(self, w: Writer) -> None:
+        _step_inputs(w, self.r)
+        _advance(w)
+
+    def outputs(self, w: Writer) -> None:
+        w.line("y = tl.sum(Se * qe[None, :], axis=1) + tl.sum(So * qo[None, :], axis=1)")
+        skip_gate_store(w, self.r, "xv", "sidx * P + offs_p", "tp", "y_ptr")
 
 
 def _step_inputs(w: Writer, r: Mamba3SisoRegion) -> None:
-    """Loads of step t and the rotated key / query; padded steps load zeros (alpha 1, no input)."""
-    w.lines("tv = offs_i * 0 + t < L", "tp = m_p & (offs_p * 0 + t < L)", "sidx = (bi * L + t) * H + hi",
-            "dtv = tl.load(dt_ptr + sidx + offs_i * 0, mask=tv, other=0.0).to(tl.float32)",
-            "adtv = tl.load(adt_ptr + sidx + offs_i * 0, mask=tv, other=0.0).to(tl.float32)",
-            "trv = tl.load(trap_ptr + sidx + offs_i * 0, mask=tv, other=0.0).to(tl.float32)",
-            "ang = tl.load(ang_ptr + sidx * S + offs_i, mask=tv & m_a, other=0.0).to(tl.float32)",
-            "tang = _tanh(ang)",
-            "xv = tl.load(x_ptr + sidx * P + offs_p, mask=tp, other=0.0).to(tl.float32)",
-            "bidx = ((bi * L + t) * G + gi) * N")
+    """Loads of step t and the biased B_t, C_t; padded steps load zeros (alpha 1, no input)."""
+    step_loads(w)
+    w.line("bidx = ((bi * L + t) * G + gi) * N")
     for M, bias, on in (("B", "Bb", r.has_B_bias), ("C", "Cb", r.has_C_bias)):
         for hf, lanes, m in (("e", "ne", "m_e"), ("o", "no", "m_o")):
             w.line(f"{M.lower()}b{hf} = tl.load({M}_ptr + bidx + {lanes}, mask={m} & tv, other=0.0)"
                    f".to(tl.float32)" + (f" + {bias}{hf}" if on else ""))
-    w.lines("alpha = tl.exp(adtv)", "lam = tl.sigmoid(trv)", "beta = (1.0 - lam) * dtv * alpha",
-            "gamma = lam * dtv")
+    mixing(w)
 
 
 def _rotate(w: Writer) -> None:
-    w.lines("cs = tl.cos(theta)", "sn = tl.sin(theta)",
-            "ke = bbe * cs - bbo * sn", "ko = bbe * sn + bbo * cs",
-            "qe = cbe * cs - cbo * sn", "qo = cbe * sn + cbo * cs")
+    w.lines("cs = tl.cos(theta)", "sn = tl.sin(theta)")
+    rotate(w, KEY)
 
 
 def _advance(w: Writer) -> None:
     """theta_t and k_t, q_t, then S_t from S_{t-1}."""
-    w.lines("theta = theta + PI * tang * dtv", "theta = theta - TWO_PI * tl.floor(theta / TWO_PI)")
+    advance_angle(w)
     _rotate(w)
+    _update(w, "S")
+
+
+def _update(w: Writer, src: str) -> None:
+    """S_t (Se, So) from S_{t-1} (``src``e, ``src``o), the previous and the current key/value."""
     for hf in "eo":
-        w.line(f"S{hf} = alpha[None, :] * S{hf} + xp[:, None] * (beta * kp{hf})[None, :] "
+        w.line(f"S{hf} = alpha[None, :] * {src}{hf} + xp[:, None] * (beta * kp{hf})[None, :] "
                f"+ xv[:, None] * (gamma * k{hf})[None, :]")
 
 
-def headdim_block_partials(w: Writer, partials: list[tuple[str, str]]) -> None:
-    """The backward splits headdim into blocks (grid axis 1); every output that sums over headdim
-    gets one slice per block (summed by the launcher): offset each such pointer to its slice.
-    Per-head gradients that enter once (final angle, final key) are read by block 0 only."""
-    w.lines("pb = tl.program_id(1)", "first = offs_i * 0 + pb == 0", "pb64 = pb.to(tl.int64)",
-            "lp = tl.arange(0, BP)  # headdim offsets within the block (scratch layout)",
-            "pp2 = lp[:, None] * NH + offs_i[None, :]",
-            "scr_ptr += (pid * tl.num_programs(1) + pb).to(tl.int64) * T * SZ")
-    for ptr, size in partials:
-        w.line(f"{ptr} += pb64 * {size}")
-
-
-def _consts(w: Writer) -> None:
-    w.lines("PI = 3.141592653589793", "TWO_PI = 6.283185307179586")
-
-
 def render_forward(r: Mamba3SisoRegion, *, with_out: bool = True, checkpoints: bool = False) -> str:
-    w = Writer()
-    header(w, FWD, r, "Sequential Mamba-3 SISO scan, state in fp32 registers as even/odd column halves"
-           + ("; stores chunk checkpoints" if checkpoints else "") + ".", tanh=True)
-    args = _inputs(r) + _inits(r) + (["y_ptr", "fa_ptr", "fs_ptr", "fk_ptr", "fv_ptr"] if with_out else [])
-    args += (["cS_ptr", "cth_ptr", "ck_ptr", "cx_ptr"] if checkpoints else [])
-    w.line("@triton.jit")
-    with w.block(f"def {FWD}({', '.join(args + SIZES + CONSTS)}):"):
-        _consts(w)
-        _prologue(w, r, p_block=True)
-        _init_state(w, r)
-        w.line("first = offs_i * 0 + tl.program_id(1) == 0  # one headdim block writes the per-head outputs")
-        with w.block("for c in range(0, NC):"):
-            if checkpoints:
-                w.lines("ci = hb * NC + c",
-                        "tl.store(cS_ptr + ci * P * N + offs_p[:, None] * N + ne[None, :], Se, mask=me2)",
-                        "tl.store(cS_ptr + ci * P * N + offs_p[:, None] * N + no[None, :], So, mask=mo2)",
-                        "tl.store(cth_ptr + ci * NH + offs_i, theta)",
-                        "tl.store(ck_ptr + ci * N + ne, kpe, mask=m_e)",
-                        "tl.store(ck_ptr + ci * N + no, kpo, mask=m_o)",
-                        "tl.store(cx_ptr + ci * P + offs_p, xp, mask=m_p)")
-            with w.block("for i in range(0, T):"):
-                w.line("t = c * T + i")
-                _step_inputs(w, r)
-                _advance(w)
-                if with_out:
-                    w.line("y = tl.sum(Se * qe[None, :], axis=1) + tl.sum(So * qo[None, :], axis=1)")
-                    if r.has_D:
-                        w.line("y = y + Dv * xv")
-                    if r.has_z:
-                        w.line("zv = tl.load(z_ptr + sidx * P + offs_p, mask=tp, other=0.0).to(tl.float32)")
-                        silu_gate(w, "zv", grad=False)
-                        w.line("y = y * silu")
-                    w.line(f"tl.store(y_ptr + sidx * P + offs_p, {to_out(r, 'y_ptr', 'y')}, mask=tp)")
-                    w.line("last = (offs_i * 0 + t == L - 1) & first")
-                    w.lines("tl.store(fk_ptr + hb * N + ne, ke, mask=m_e & last)",
-                            "tl.store(fk_ptr + hb * N + no, ko, mask=m_o & last)")
-                w.lines("xp = xv", "kpe = ke", "kpo = ko")
-        if with_out:
-            w.lines("tl.store(fs_ptr + hb * P * N + offs_p[:, None] * N + ne[None, :], Se, mask=me2)",
-                    "tl.store(fs_ptr + hb * P * N + offs_p[:, None] * N + no[None, :], So, mask=mo2)",
-                    "tl.store(fa_ptr + hb * S + offs_i, theta, mask=m_a & first)")
-            w.comment("the last value: x at step L-1 (padded steps load zeros, so read it again)")
-            w.line("xl = tl.load(x_ptr + ((bi * L + L - 1) * H + hi) * P + offs_p, mask=m_p, other=0.0)")
-            w.line("tl.store(fv_ptr + hb * P + offs_p, xl.to(tl.float32), mask=m_p)")
-    return w.source()
+    return _Siso(r).render_forward(with_out, checkpoints)
 
 
 def render_backward(r: Mamba3SisoRegion) -> str:
     w = Writer()
-    header(w, BWD, r, "Reverse-chunk adjoint of the Mamba-3 SISO scan; states recomputed per chunk "
-                      "from checkpoints into scratch.", tanh=True)
-    args = _inputs(r) + ["cS_ptr", "cth_ptr", "ck_ptr", "cx_ptr", "scr_ptr", "gy_ptr", "ga_ptr", "gs_ptr",
-                         "gk_ptr", "gv_ptr", "dx_ptr", "dBh_ptr", "dCh_ptr", "ddt_ptr", "dadt_ptr",
-                         "dtrap_ptr", "dang_ptr", "dia_ptr", "dis_ptr", "dik_ptr", "div_ptr"]
-    args += [n for n, on in (("dD_ptr", r.has_D), ("dz_ptr", r.has_z)) if on]
-    w.line("@triton.jit")
-    with w.block(f"def {BWD}({', '.join(args + SIZES + ['NB'] + CONSTS)}):"):
-        _consts(w)
-        _prologue(w, r, p_block=True)
-        sp = "offs_p[:, None] * N"
+    src = _Siso(r)
+    with src.backward_signature(w, "Reverse-chunk adjoint of the Mamba-3 SISO scan; states recomputed per chunk "
+                                   "from checkpoints into scratch.",
+                                [n for n, on in (("dD_ptr", r.has_D), ("dz_ptr", r.has_z)) if on]):
+        consts(w)
+        src.prologue(w, p_block=True)
         w.line("SZ = 2 * BP * NH + 4 * NH + BP  # scratch floats per step")
-        lh = "NB * L * H"
-        headdim_block_partials(w, [("dBh_ptr", f"{lh} * N"), ("dCh_ptr", f"{lh} * N"), ("ddt_ptr", lh),
-                                   ("dadt_ptr", lh), ("dtrap_ptr", lh), ("dang_ptr", f"{lh} * S"),
-                                   ("dia_ptr", "NB * H * S"), ("dik_ptr", "NB * H * N")]
-                               + ([("dD_ptr", "NB * H")] if r.has_D else []))
-        w.lines(f"Ge = tl.load(gs_ptr + hb * P * N + {sp} + ne[None, :], mask=me2, other=0.0)",
-                f"Go = tl.load(gs_ptr + hb * P * N + {sp} + no[None, :], mask=mo2, other=0.0)",
-                "gth = tl.load(ga_ptr + hb * S + offs_i, mask=m_a & first, other=0.0)",
-                "pke = tl.load(gk_ptr + hb * N + ne, mask=m_e & first, other=0.0)",
-                "pko = tl.load(gk_ptr + hb * N + no, mask=m_o & first, other=0.0)",
-                "pxv = tl.load(gv_ptr + hb * P + offs_p, mask=m_p, other=0.0)",
+        headdim_block_partials(w, r, "N", "H * N")
+        load_state_grads(w)
+        load_key(w, "pk", "gk_ptr", KEY.state, KEY, " & first")
+        w.lines("pxv = tl.load(gv_ptr + hb * P + offs_p, mask=m_p, other=0.0)",
                 "dD_acc = tl.zeros((BP,), dtype=tl.float32)")
         with w.block("for cc in range(0, NC):"):
-            w.lines("c = NC - 1 - cc", "ci = hb * NC + c",
-                    f"Se = tl.load(cS_ptr + ci * P * N + {sp} + ne[None, :], mask=me2, other=0.0)",
-                    f"So = tl.load(cS_ptr + ci * P * N + {sp} + no[None, :], mask=mo2, other=0.0)",
-                    "theta = tl.load(cth_ptr + ci * NH + offs_i)",
-                    "kpe = tl.load(ck_ptr + ci * N + ne, mask=m_e, other=0.0)",
-                    "kpo = tl.load(ck_ptr + ci * N + no, mask=m_o, other=0.0)",
-                    "xp = tl.load(cx_ptr + ci * P + offs_p, mask=m_p, other=0.0)")
+            load_checkpoint(w)
+            load_key(w, "kp", "ck_ptr", KEY.ckpt, KEY)
+            w.line("xp = tl.load(cx_ptr + ci * P + offs_p, mask=m_p, other=0.0)")
             w.comment("recompute: scratch step i = (S_e, S_o before step i, k_{t-1}, x_{t-1}, theta_t)")
             with w.block("for i in range(0, T):"):
                 w.lines("t = c * T + i", "sc = scr_ptr + i * SZ")
@@ -212,7 +132,8 @@ def render_backward(r: Mamba3SisoRegion) -> str:
                         "tl.store(sc + 2 * BP * NH + offs_i, kpe)", "tl.store(sc + 2 * BP * NH + NH + offs_i, kpo)",
                         "tl.store(sc + 2 * BP * NH + 2 * NH + lp, xp)")
                 _advance(w)
-                w.lines("tl.store(sc + 2 * BP * NH + 2 * NH + BP + offs_i, theta)", "xp = xv", "kpe = ke", "kpo = ko")
+                w.line("tl.store(sc + 2 * BP * NH + 2 * NH + BP + offs_i, theta)")
+                shift(w, [KEY])
             w.comment("adjoint, last step first; G = dLoss/dS_t")
             with w.block("for ii in range(0, T):"):
                 w.lines("i = T - 1 - ii", "t = c * T + i", "sc = scr_ptr + i * SZ")
@@ -222,9 +143,7 @@ def render_backward(r: Mamba3SisoRegion) -> str:
                         "xp = tl.load(sc + 2 * BP * NH + 2 * NH + lp)",
                         "theta = tl.load(sc + 2 * BP * NH + 2 * NH + BP + offs_i)")
                 _rotate(w)
-                for hf in "eo":
-                    w.line(f"S{hf} = alpha[None, :] * Sp{hf} + xp[:, None] * (beta * kp{hf})[None, :] "
-                           f"+ xv[:, None] * (gamma * k{hf})[None, :]")
+                _update(w, "Sp")
                 w.line("go = tl.load(gy_ptr + sidx * P + offs_p, mask=tp, other=0.0).to(tl.float32)")
                 if r.has_z:
                     w.line("ypre = tl.sum(Se * qe[None, :], axis=1) + tl.sum(So * qo[None, :], axis=1)"
@@ -255,24 +174,14 @@ def render_backward(r: Mamba3SisoRegion) -> str:
                         "pxv = tl.where(tp, bet_s * Gkp, pxv)",
                         "Ge = alpha[None, :] * Ge", "Go = alpha[None, :] * Go",
                         "gth += tl.where(m_a, dko * ke - dke * ko + dqo * qe - dqe * qo, 0.0)",
-                        "dbv = (bi * L + t) * H * N + hi * N",
-                        "tl.store(dBh_ptr + dbv + ne, dke * cs + dko * sn, mask=m_e & tv)",
-                        "tl.store(dBh_ptr + dbv + no, dko * cs - dke * sn, mask=m_o & tv)",
-                        "tl.store(dCh_ptr + dbv + ne, dqe * cs + dqo * sn, mask=m_e & tv)",
-                        "tl.store(dCh_ptr + dbv + no, dqo * cs - dqe * sn, mask=m_o & tv)",
-                        "tl.store(dang_ptr + sidx * S + offs_i, gth * PI * (1.0 - tang * tang) * dtv, mask=m_a & tv)",
+                        "dbv = (bi * L + t) * H * N + hi * N")
+                store_bc_grads(w, "dbv", KEY)
+                w.lines("tl.store(dang_ptr + sidx * S + offs_i, gth * PI * (1.0 - tang * tang) * dtv, mask=m_a & tv)",
                         "dth_dt = tl.sum(gth * PI * tang)",
-                        "ddt = dbeta * (1.0 - lam) * alpha + dgamma * lam + dth_dt",
-                        "dlam = (dgamma - dbeta * alpha) * dtv",
-                        "tl.store(ddt_ptr + sidx + offs_i * 0, ddt, mask=lane0 & tv)",
-                        "tl.store(dadt_ptr + sidx + offs_i * 0, alpha * dalpha + beta * dbeta, mask=lane0 & tv)",
-                        "tl.store(dtrap_ptr + sidx + offs_i * 0, dlam * lam * (1.0 - lam), mask=lane0 & tv)",
-                        "tl.store(dx_ptr + sidx * P + offs_p, dxv, mask=tp)")
-        w.lines(f"tl.store(dis_ptr + hb * P * N + {sp} + ne[None, :], Ge, mask=me2)",
-                f"tl.store(dis_ptr + hb * P * N + {sp} + no[None, :], Go, mask=mo2)",
-                "tl.store(dia_ptr + hb * S + offs_i, gth, mask=m_a)",
-                "tl.store(dik_ptr + hb * N + ne, pke, mask=m_e)", "tl.store(dik_ptr + hb * N + no, pko, mask=m_o)",
-                "tl.store(div_ptr + hb * P + offs_p, pxv, mask=m_p)")
-        if r.has_D:
-            w.line("tl.store(dD_ptr + hb + offs_i * 0, tl.sum(dD_acc) + offs_i * 0.0, mask=lane0)")
+                        "ddt = dbeta * (1.0 - lam) * alpha + dgamma * lam + dth_dt")
+                store_step_grads(w)
+        store_initial_grads(w)
+        store_key(w, "dik_ptr", KEY.state, "pk", KEY)
+        w.line("tl.store(div_ptr + hb * P + offs_p, pxv, mask=m_p)")
+        store_dD(w, r)
     return w.source()

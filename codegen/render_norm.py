@@ -12,8 +12,12 @@ The backward recomputes the statistics from the inputs and writes per-program pa
 """
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Callable, Iterator
+
 from mambac.codegen.conv_norm_ir import AddNormRegion, GatedNormRegion
-from mambac.codegen.render_conv import file_header
+from mambac.codegen.render_common import file_header
 from mambac.codegen.writer import Writer
 
 GATED_FWD, GATED_BWD = "gated_rmsnorm_fwd", "gated_rmsnorm_bwd"
@@ -24,6 +28,27 @@ def _rows_setup(w: Writer, cols: str, ncols: str, width: str) -> None:
     w.lines("pid_m = tl.program_id(0)", "rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)",
             "m_r = rows < M", f"offs = tl.arange(0, {width})", f"cols = {cols}",
             f"mask = m_r[:, None] & (offs < {ncols})[None, :]")
+
+
+@contextlib.contextmanager
+def _norm_kernel(name: str, summary: str, what: str, args: list[str], cols: str, ncols: str, width: int,
+                 stats: Callable[[Writer], None]) -> Iterator[Writer]:
+    """Header, signature, row setup and ``stats`` (the loads and the norm) of a kernel over rows of
+    ``ncols`` features (``cols``: their offsets, ``width``: the tile); its rest is written inside."""
+    w = Writer()
+    file_header(w, name, summary, what)
+    w.line("@triton.jit")
+    with w.block(f"def {name}({', '.join(args)}):"):
+        _rows_setup(w, cols, ncols, str(width))
+        stats(w)
+        yield w
+
+
+def _emit_norm_grads(w: Writer, ncols: str) -> None:
+    """dw partial sums and dh from ``g`` (the gradient of the normed output before the weight)."""
+    w.line(f"tl.store(dw_ptr + pid_m * N + cols, tl.sum(g * n, 0), mask=offs < {ncols})")
+    w.line("dn = g * wv[None, :]")
+    w.line(f"dh = rstd[:, None] * (dn - n * (tl.sum(dn * n, 1) / {ncols})[:, None])")
 
 
 def _load(ptr: str, stride: str) -> str:
@@ -57,25 +82,22 @@ def _gated_args(r: GatedNormRegion, backward: bool) -> list[str]:
     return args + ["BM: tl.constexpr"]
 
 
+def _gated_kernel(r: GatedNormRegion, backward: bool) -> AbstractContextManager[Writer]:
+    name, what = ((GATED_BWD, "Backward of the grouped, gated RMSNorm (statistics recomputed).") if backward else
+                  (GATED_FWD, "Grouped RMSNorm with an optional SiLU gate, one group per program."))
+    return _norm_kernel(name, r.summary(), what, _gated_args(r, backward), "tl.program_id(1) * G + offs", "G",
+                        r.group_pow2, lambda w: _emit_gated_stats(w, r))
+
+
 def render_gated_forward(r: GatedNormRegion) -> str:
-    w = Writer()
-    file_header(w, GATED_FWD, r.summary(), "Grouped RMSNorm with an optional SiLU gate, one group per program.")
-    w.line("@triton.jit")
-    with w.block(f"def {GATED_FWD}({', '.join(_gated_args(r, False))}):"):
-        _rows_setup(w, "tl.program_id(1) * G + offs", "G", str(r.group_pow2))
-        _emit_gated_stats(w, r)
+    with _gated_kernel(r, backward=False) as w:
         w.line("out = n * wv[None, :]" + (" * sz" if r.has_z and r.norm_before_gate else ""))
         w.line(_store("y_ptr", "out"))
     return w.source()
 
 
 def render_gated_backward(r: GatedNormRegion) -> str:
-    w = Writer()
-    file_header(w, GATED_BWD, r.summary(), "Backward of the grouped, gated RMSNorm (statistics recomputed).")
-    w.line("@triton.jit")
-    with w.block(f"def {GATED_BWD}({', '.join(_gated_args(r, True))}):"):
-        _rows_setup(w, "tl.program_id(1) * G + offs", "G", str(r.group_pow2))
-        _emit_gated_stats(w, r)
+    with _gated_kernel(r, backward=True) as w:
         w.line("g = " + _load("dy_ptr", "sgm"))
         if r.has_z:
             w.line("dsilu = sg * (1.0 + zz * (1.0 - sg))")
@@ -83,9 +105,7 @@ def render_gated_backward(r: GatedNormRegion) -> str:
             w.comment("gate after the norm: out = n * w * silu(z)")
             w.line(_store("dz_ptr", "g * n * wv[None, :] * dsilu"))
             w.line("g = g * sz")
-        w.line("tl.store(dw_ptr + pid_m * N + cols, tl.sum(g * n, 0), mask=offs < G)")
-        w.line("dn = g * wv[None, :]")
-        w.line("dh = rstd[:, None] * (dn - n * (tl.sum(dn * n, 1) / G)[:, None])")
+        _emit_norm_grads(w, "G")
         if r.has_z and not r.norm_before_gate:
             w.comment("gate before the norm: h = x * silu(z)")
             w.line(_store("dz_ptr", "dh * xv * dsilu"))
@@ -114,30 +134,25 @@ def _emit_add_stats(w: Writer, r: AddNormRegion) -> None:
     w.line("n = h * rstd[:, None]")
 
 
+def _add_kernel(r: AddNormRegion, backward: bool) -> AbstractContextManager[Writer]:
+    name, what = ((ADD_BWD, "Backward of residual add + RMSNorm (statistics recomputed).") if backward else
+                  (ADD_FWD, "Residual add then RMSNorm: (rmsnorm(x + residual) * w, x + residual)."))
+    return _norm_kernel(name, r.summary(), what, _add_args(r, backward), "offs", "N", r.width_pow2,
+                        lambda w: _emit_add_stats(w, r))
+
+
 def render_add_forward(r: AddNormRegion) -> str:
-    w = Writer()
-    file_header(w, ADD_FWD, r.summary(), "Residual add then RMSNorm: (rmsnorm(x + residual) * w, x + residual).")
-    w.line("@triton.jit")
-    with w.block(f"def {ADD_FWD}({', '.join(_add_args(r, False))}):"):
-        _rows_setup(w, "offs", "N", str(r.width_pow2))
-        _emit_add_stats(w, r)
+    with _add_kernel(r, backward=False) as w:
         w.line(_store("resout_ptr", "h"))
         w.line(_store("out_ptr", "n * wv[None, :]"))
     return w.source()
 
 
 def render_add_backward(r: AddNormRegion) -> str:
-    w = Writer()
-    file_header(w, ADD_BWD, r.summary(), "Backward of residual add + RMSNorm (statistics recomputed).")
-    w.line("@triton.jit")
-    with w.block(f"def {ADD_BWD}({', '.join(_add_args(r, True))}):"):
-        _rows_setup(w, "offs", "N", str(r.width_pow2))
-        _emit_add_stats(w, r)
+    with _add_kernel(r, backward=True) as w:
         if r.has_dout:
             w.line("g = " + _load("dout_ptr", "sgm"))
-            w.line("tl.store(dw_ptr + pid_m * N + cols, tl.sum(g * n, 0), mask=offs < N)")
-            w.line("dn = g * wv[None, :]")
-            w.line("dh = rstd[:, None] * (dn - n * (tl.sum(dn * n, 1) / N)[:, None])")
+            _emit_norm_grads(w, "N")
         else:
             w.line("dh = tl.zeros((BM, %d), dtype=tl.float32)" % r.width_pow2)
         if r.has_dres:

@@ -24,7 +24,10 @@ The chunks run in parallel; only a short pass over chunk summaries is sequential
 """
 from __future__ import annotations
 
-from mambac.codegen.render_scan_common import header, silu_gate, to_out
+import contextlib
+from typing import Iterator
+
+from mambac.codegen.render_scan_common import header, silu_gate, skip_gate_store
 from mambac.codegen.scan_ir import SelectiveScanRegion
 from mambac.codegen.writer import Writer
 
@@ -46,14 +49,21 @@ SIZES = ["L", "DIM", "N", "G", "DPG", "NDB", "NC"]
 CONSTS = ["BD: tl.constexpr", "NP: tl.constexpr", "T: tl.constexpr"]
 
 
-def _prologue(w: Writer, r: SelectiveScanRegion) -> None:
-    """Program ids, channel/state offsets, per-channel constants (``c``: the chunk, grid axis 2)."""
-    w.lines("pid = tl.program_id(0)", "bi = tl.program_id(1).to(tl.int64)", "c = tl.program_id(2)",
-            "gi = pid // NDB", "offs_c = (pid % NDB) * BD + tl.arange(0, BD)", "m_c = offs_c < DPG",
+def _channels(w: Writer, chunk_axis: bool) -> None:
+    """Program ids (``c``: the chunk, grid axis 2, when ``chunk_axis``), channel/state offsets, A."""
+    w.lines("pid = tl.program_id(0)", "bi = tl.program_id(1).to(tl.int64)")
+    if chunk_axis:
+        w.line("c = tl.program_id(2)")
+    w.lines("gi = pid // NDB", "offs_c = (pid % NDB) * BD + tl.arange(0, BD)", "m_c = offs_c < DPG",
             "ch = gi * DPG + offs_c", "offs_n = tl.arange(0, NP)", "m_n = offs_n < N",
             "m2 = m_c[:, None] & m_n[None, :]",
-            "A = tl.load(A_ptr + ch[:, None] * N + offs_n[None, :], mask=m2, other=0.0).to(tl.float32)",
-            "row = (bi * DIM + ch) * L  # start of each channel's sequence in u, delta, z",
+            "A = tl.load(A_ptr + ch[:, None] * N + offs_n[None, :], mask=m2, other=0.0).to(tl.float32)")
+
+
+def _prologue(w: Writer, r: SelectiveScanRegion) -> None:
+    """Program ids, channel/state offsets, per-channel constants of the per-chunk kernels."""
+    _channels(w, chunk_axis=True)
+    w.lines("row = (bi * DIM + ch) * L  # start of each channel's sequence in u, delta, z",
             "bc = (bi * G + gi) * N * L + offs_n * L  # start of each state row of B, C")
     if r.has_D:
         w.line("Dv = tl.load(D_ptr + ch, mask=m_c, other=0.0).to(tl.float32)")
@@ -90,6 +100,26 @@ def _kernel(w: Writer, r: SelectiveScanRegion, name: str, what: str, args: list[
     w.line(f"def {name}({', '.join(args + SIZES + CONSTS)}):")
 
 
+@contextlib.contextmanager
+def _chunk_kernel(r: SelectiveScanRegion, name: str, what: str, args: list[str]) -> Iterator[Writer]:
+    """A per-chunk kernel (grid axis 2 = chunk): header, signature and prologue; the body is written
+    inside the block."""
+    w = Writer()
+    _kernel(w, r, name, what, args)
+    with w.indented():
+        _prologue(w, r)
+        yield w
+
+
+@contextlib.contextmanager
+def _steps_in_order(w: Writer, r: SelectiveScanRegion) -> Iterator[None]:
+    """The loop over the chunk's steps, first to last, with step t's inputs loaded."""
+    with w.block("for i in range(0, T):"):
+        w.line("t = c * T + i")
+        _step_inputs(w, r)
+        yield
+
+
 def _gate_grad(w: Writer, r: SelectiveScanRegion, store_dz: bool) -> None:
     """gy = dLoss/d(pre-gate out) at step t (and dz when ``store_dz``; needs ``h``)."""
     w.line("go = tl.load(gout_ptr + row + t, mask=mv, other=0.0).to(tl.float32)")
@@ -105,18 +135,24 @@ def _gate_grad(w: Writer, r: SelectiveScanRegion, store_dz: bool) -> None:
 
 
 def render_chunk_local(r: SelectiveScanRegion) -> str:
-    w = Writer()
-    _kernel(w, r, LOCAL, "Per chunk: end state from a zero start and the sum of delta'.",
-            _inputs(r) + ["local_ptr", "sdl_ptr"])
-    with w.indented():
-        _prologue(w, r)
+    with _chunk_kernel(r, LOCAL, "Per chunk: end state from a zero start and the sum of delta'.",
+                       _inputs(r) + ["local_ptr", "sdl_ptr"]) as w:
         w.lines("h = tl.zeros((BD, NP), dtype=tl.float32)", "sdl = tl.zeros((BD,), dtype=tl.float32)")
-        with w.block("for i in range(0, T):"):
-            w.line("t = c * T + i")
-            _step_inputs(w, r)
+        with _steps_in_order(w, r):
             w.lines("h = dA * h + (dl * u)[:, None] * Bt[None, :]", "sdl += dl")
         w.lines(f"tl.store(local_ptr + {CK}, h, mask=m2)", f"tl.store(sdl_ptr + {CV}, sdl, mask=m_c)")
     return w.source()
+
+
+def _over_chunks(w: Writer, v: str, store_ptr: str, add_ptr: str, reverse: bool) -> None:
+    """The sequential pass over chunk summaries (last chunk first when ``reverse``): store ``v`` for
+    chunk c to ``store_ptr``, then carry it over the chunk (decay exp(A * sum delta')) and add the
+    chunk's own part from ``add_ptr``."""
+    with w.block("for cc in range(0, NC):" if reverse else "for c in range(0, NC):"):
+        if reverse:
+            w.line("c = NC - 1 - cc")
+        w.lines(f"tl.store({store_ptr} + {CK}, {v}, mask=m2)", f"sdl = tl.load(sdl_ptr + {CV}, mask=m_c, other=0.0)",
+                f"{v} = tl.exp(A * sdl[:, None]) * {v} + tl.load({add_ptr} + {CK}, mask=m2, other=0.0)")
 
 
 def render_combine(r: SelectiveScanRegion) -> str:
@@ -124,47 +160,27 @@ def render_combine(r: SelectiveScanRegion) -> str:
     args = ["A_ptr"] + (["init_ptr"] if r.has_init else []) + ["local_ptr", "sdl_ptr", "ckpt_ptr", "last_ptr"]
     _kernel(w, r, COMBINE, "Sequential over chunk summaries: checkpoints and the last state.", args, False)
     with w.indented():
-        w.lines("pid = tl.program_id(0)", "bi = tl.program_id(1).to(tl.int64)", "gi = pid // NDB",
-                "offs_c = (pid % NDB) * BD + tl.arange(0, BD)", "m_c = offs_c < DPG", "ch = gi * DPG + offs_c",
-                "offs_n = tl.arange(0, NP)", "m_n = offs_n < N", "m2 = m_c[:, None] & m_n[None, :]",
-                "A = tl.load(A_ptr + ch[:, None] * N + offs_n[None, :], mask=m2, other=0.0).to(tl.float32)")
+        _channels(w, chunk_axis=False)
         w.line("h = " + (f"tl.load(init_ptr + {ST}, mask=m2, other=0.0).to(tl.float32)" if r.has_init
                          else "tl.zeros((BD, NP), dtype=tl.float32)"))
-        with w.block("for c in range(0, NC):"):
-            w.lines(f"tl.store(ckpt_ptr + {CK}, h, mask=m2)",
-                    f"sdl = tl.load(sdl_ptr + {CV}, mask=m_c, other=0.0)",
-                    f"h = tl.exp(A * sdl[:, None]) * h + tl.load(local_ptr + {CK}, mask=m2, other=0.0)")
+        _over_chunks(w, "h", "ckpt_ptr", "local_ptr", reverse=False)
         w.line(f"tl.store(last_ptr + {ST}, h, mask=m2)")
     return w.source()
 
 
 def render_chunk_out(r: SelectiveScanRegion) -> str:
-    w = Writer()
-    _kernel(w, r, OUT, "Per chunk: out, restarted from the chunk's checkpoint.",
-            _inputs(r) + ["ckpt_ptr", "out_ptr"])
-    with w.indented():
-        _prologue(w, r)
+    with _chunk_kernel(r, OUT, "Per chunk: out, restarted from the chunk's checkpoint.",
+                       _inputs(r) + ["ckpt_ptr", "out_ptr"]) as w:
         w.line(f"h = tl.load(ckpt_ptr + {CK}, mask=m2, other=0.0)")
-        with w.block("for i in range(0, T):"):
-            w.line("t = c * T + i")
-            _step_inputs(w, r)
+        with _steps_in_order(w, r):
             w.lines("h = dA * h + (dl * u)[:, None] * Bt[None, :]", "y = tl.sum(h * Ct[None, :], axis=1)")
-            if r.has_D:
-                w.line("y = y + Dv * u")
-            if r.has_z:
-                w.line("zv = tl.load(z_ptr + row + t, mask=mv, other=0.0).to(tl.float32)")
-                silu_gate(w, "zv", grad=False)
-                w.line("y = y * silu")
-            w.line(f"tl.store(out_ptr + row + t, {to_out(r, 'out_ptr', 'y')}, mask=mv)")
+            skip_gate_store(w, r, "u", "row + t", "mv", "out_ptr")
     return w.source()
 
 
 def render_adjoint_local(r: SelectiveScanRegion) -> str:
-    w = Writer()
-    _kernel(w, r, ADJ_LOCAL, "Per chunk: dLoss/d(state entering it) with a zero gradient at its end.",
-            _inputs(r) + ["gout_ptr", "gl_ptr"])
-    with w.indented():
-        _prologue(w, r)
+    with _chunk_kernel(r, ADJ_LOCAL, "Per chunk: dLoss/d(state entering it) with a zero gradient at its end.",
+                       _inputs(r) + ["gout_ptr", "gl_ptr"]) as w:
         w.line("g = tl.zeros((BD, NP), dtype=tl.float32)")
         with w.block("for ii in range(0, T):"):
             w.line("t = c * T + T - 1 - ii")
@@ -181,15 +197,9 @@ def render_adjoint_combine(r: SelectiveScanRegion) -> str:
     _kernel(w, r, ADJ_COMBINE, "Sequential over chunks, last first: the gradient at every chunk's end.", args,
             False)
     with w.indented():
-        w.lines("pid = tl.program_id(0)", "bi = tl.program_id(1).to(tl.int64)", "gi = pid // NDB",
-                "offs_c = (pid % NDB) * BD + tl.arange(0, BD)", "m_c = offs_c < DPG", "ch = gi * DPG + offs_c",
-                "offs_n = tl.arange(0, NP)", "m_n = offs_n < N", "m2 = m_c[:, None] & m_n[None, :]",
-                "A = tl.load(A_ptr + ch[:, None] * N + offs_n[None, :], mask=m2, other=0.0).to(tl.float32)",
-                f"g = tl.load(glast_ptr + {ST}, mask=m2, other=0.0)")
-        with w.block("for cc in range(0, NC):"):
-            w.lines("c = NC - 1 - cc", f"tl.store(gend_ptr + {CK}, g, mask=m2)",
-                    f"sdl = tl.load(sdl_ptr + {CV}, mask=m_c, other=0.0)",
-                    f"g = tl.exp(A * sdl[:, None]) * g + tl.load(gl_ptr + {CK}, mask=m2, other=0.0)")
+        _channels(w, chunk_axis=False)
+        w.line(f"g = tl.load(glast_ptr + {ST}, mask=m2, other=0.0)")
+        _over_chunks(w, "g", "gend_ptr", "gl_ptr", reverse=True)
         if r.has_init:
             w.line(f"tl.store(dinit_ptr + {ST}, g, mask=m2)")
     return w.source()
@@ -197,14 +207,11 @@ def render_adjoint_combine(r: SelectiveScanRegion) -> str:
 
 def render_backward(r: SelectiveScanRegion) -> str:
     """Per chunk: recompute states into scratch, then the adjoint from the chunk's end gradient."""
-    w = Writer()
     args = _inputs(r) + ["ckpt_ptr", "gend_ptr", "scratch_ptr", "gout_ptr", "du_ptr", "ddelta_ptr", "dA_ptr",
                          "dB_ptr", "dC_ptr"]
     args += [n for n, on in (("dD_ptr", r.has_D), ("dz_ptr", r.has_z)) if on] + ["C0"]
-    _kernel(w, r, BWD, "Per chunk: states recomputed from the checkpoint into scratch, then the adjoint "
-                       "run backwards through them.", args)
-    with w.indented():
-        _prologue(w, r)
+    with _chunk_kernel(r, BWD, "Per chunk: states recomputed from the checkpoint into scratch, then the adjoint "
+                               "run backwards through them.", args) as w:
         w.lines("c = C0 + c  # the launcher runs the chunks in waves of num_programs(2) (bounded scratch)",
                 f"h = tl.load(ckpt_ptr + {CK}, mask=m2, other=0.0)",
                 f"g = tl.load(gend_ptr + {CK}, mask=m2, other=0.0)",
@@ -215,9 +222,7 @@ def render_backward(r: SelectiveScanRegion) -> str:
         if r.has_D:
             w.line("dD_acc = tl.zeros((BD,), dtype=tl.float32)")
         w.comment("recompute: scratch[i] = state before step i of this chunk")
-        with w.block("for i in range(0, T):"):
-            w.line("t = c * T + i")
-            _step_inputs(w, r)
+        with _steps_in_order(w, r):
             w.line("tl.store(scr + i * N, h, mask=m2)")
             w.line("h = dA * h + (dl * u)[:, None] * Bt[None, :]")
         w.comment("adjoint, last step of the chunk first; g = dLoss/dh_t")

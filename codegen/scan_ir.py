@@ -13,6 +13,7 @@ over them.  See docs/codegen_scans.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,20 +24,31 @@ from mambac.codegen.kernel_ir import IO_DTYPES, io_name
 class ScanRegion:
     """Common fields: ``io_dtype`` is the dtype of the main input (output dtype), ``chunk`` the
     steps per checkpoint interval, ``round_bf16`` emulates round-to-nearest-even bf16 stores (the
-    Triton interpreter's casts truncate)."""
+    Triton interpreter's casts truncate).
+
+    A subclass names its op (``KIND``) and its flags in summary order (``FLAGS``: summary label,
+    field name)."""
 
     io_dtype: str
     chunk: int
     round_bf16: bool
 
-    def _check(self) -> None:
+    KIND: ClassVar[str] = ""
+    FLAGS: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __post_init__(self) -> None:
         if self.io_dtype not in IO_DTYPES:
             raise ValueError(f"io_dtype must be one of {tuple(IO_DTYPES)}, got {self.io_dtype!r}")
         if self.chunk < 1:
             raise ValueError(f"chunk must be positive, got {self.chunk}")
 
-    def _flags(self, pairs) -> str:
-        return ",".join(name for name, on in pairs if on)
+    def _sizes(self) -> str:
+        """The compile-time sizes, as the summary lists them."""
+        return f"chunk={self.chunk} io={self.io_dtype}"
+
+    def summary(self) -> str:
+        flags = ",".join(label for label, field in self.FLAGS if getattr(self, field))
+        return f"{self.KIND} {self._sizes()} flags=[{flags}]"
 
 
 @dataclass(frozen=True)
@@ -50,19 +62,16 @@ class SelectiveScanRegion(ScanRegion):
     has_z: bool = False
     has_init: bool = False
 
-    def __post_init__(self) -> None:
-        self._check()
-
-    def summary(self) -> str:
-        flags = self._flags((("delta_bias", self.has_delta_bias), ("softplus", self.delta_softplus),
-                             ("D", self.has_D), ("z", self.has_z), ("init", self.has_init)))
-        return f"selective_scan chunk={self.chunk} io={self.io_dtype} flags=[{flags}]"
+    KIND: ClassVar[str] = "selective_scan"
+    FLAGS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("delta_bias", "has_delta_bias"), ("softplus", "delta_softplus"), ("D", "has_D"), ("z", "has_z"),
+        ("init", "has_init"))
 
 
 @dataclass(frozen=True)
-class Mamba3SisoRegion(ScanRegion):
-    """One ``mambac::mamba3_siso`` call: B/C biases, D skip, z gate, and which parts of the
-    carried state (angle, ssm, k, v) come in."""
+class Mamba3Region(ScanRegion):
+    """What every Mamba-3 scan call (SISO or MIMO) may have: B/C biases, D skip, z gate, and which
+    parts of the carried state (angle, ssm, k, v) come in."""
 
     has_B_bias: bool = False
     has_C_bias: bool = False
@@ -73,15 +82,18 @@ class Mamba3SisoRegion(ScanRegion):
     init_k: bool = False
     init_v: bool = False
 
-    def __post_init__(self) -> None:
-        self._check()
 
-    def summary(self) -> str:
-        flags = self._flags((("B_bias", self.has_B_bias), ("C_bias", self.has_C_bias), ("D", self.has_D),
-                             ("z", self.has_z), ("init_angle", self.init_angle),
-                             ("init_ssm", self.init_ssm), ("init_k", self.init_k),
-                             ("init_v", self.init_v)))
-        return f"mamba3_siso chunk={self.chunk} io={self.io_dtype} flags=[{flags}]"
+# the incoming state parts, the last flags of both Mamba-3 summaries
+_INITS = (("init_angle", "init_angle"), ("init_ssm", "init_ssm"), ("init_k", "init_k"), ("init_v", "init_v"))
+
+
+@dataclass(frozen=True)
+class Mamba3SisoRegion(Mamba3Region):
+    """One ``mambac::mamba3_siso`` call."""
+
+    KIND: ClassVar[str] = "mamba3_siso"
+    FLAGS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("B_bias", "has_B_bias"), ("C_bias", "has_C_bias"), ("D", "has_D"), ("z", "has_z")) + _INITS
 
 
 def io_of(t: torch.Tensor) -> str:
@@ -89,28 +101,22 @@ def io_of(t: torch.Tensor) -> str:
 
 
 @dataclass(frozen=True)
-class Mamba3MimoRegion(ScanRegion):
-    """One ``mambac::mamba3_mimo`` call: the rank (unrolled in the source), B/C biases, the
-    optional per-rank gate (mimo_z with z) and output fold (mimo_o), D skip, incoming state parts."""
+class Mamba3MimoRegion(Mamba3Region):
+    """One ``mambac::mamba3_mimo`` call: the rank (unrolled in the source) and the optional output
+    fold (mimo_o); with z the gate is per rank (mimo_z)."""
 
     rank: int = 1
-    has_B_bias: bool = False
-    has_C_bias: bool = False
-    has_z: bool = False
     has_mimo_o: bool = False
-    has_D: bool = False
-    init_angle: bool = False
-    init_ssm: bool = False
-    init_k: bool = False
-    init_v: bool = False
+
+    KIND: ClassVar[str] = "mamba3_mimo"
+    FLAGS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("B_bias", "has_B_bias"), ("C_bias", "has_C_bias"), ("z", "has_z"), ("mimo_o", "has_mimo_o"),
+        ("D", "has_D")) + _INITS
 
     def __post_init__(self) -> None:
-        self._check()
+        super().__post_init__()
         if self.rank < 1:
             raise ValueError(f"rank must be positive, got {self.rank}")
 
-    def summary(self) -> str:
-        flags = self._flags((("B_bias", self.has_B_bias), ("C_bias", self.has_C_bias), ("z", self.has_z),
-                             ("mimo_o", self.has_mimo_o), ("D", self.has_D), ("init_angle", self.init_angle),
-                             ("init_ssm", self.init_ssm), ("init_k", self.init_k), ("init_v", self.init_v)))
-        return f"mamba3_mimo rank={self.rank} chunk={self.chunk} io={self.io_dtype} flags=[{flags}]"
+    def _sizes(self) -> str:
+        return f"rank={self.rank} {super()._sizes()}"

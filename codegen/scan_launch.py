@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import Tensor
 
 from mambac.codegen import autotune
 from mambac.codegen.compile import CompiledKernel, load_kernel
-from mambac.codegen.kernel_ir import TileConfig
+from mambac.codegen.kernel_ir import IO_DTYPES, TileConfig
 
 _SOURCES: dict[tuple, str] = {}
 _PLANS: dict[tuple, tuple[CompiledKernel, TileConfig]] = {}
@@ -76,3 +77,18 @@ def tiles(interp_block: int, gpu: Sequence[tuple[int, int]]) -> list[TileConfig]
     if autotune.interpreting():
         return [TileConfig(block_m=interp_block, num_warps=1)]
     return [TileConfig(block_m=bm, num_warps=nw) for bm, nw in gpu]
+
+
+def scan_supports(*args) -> bool:
+    """Whether the scan kernels take a call: its tensors floating point, not float64, on the first
+    argument's device, and the first argument of an io dtype (anything else runs the reference)."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not tensors or args[0].dtype not in [v[0] for v in IO_DTYPES.values()]:
+        return False
+    dev = args[0].device
+    return all(t.device == dev and t.dtype != torch.float64 and t.is_floating_point() for t in tensors)
+
+
+def cast(t: Tensor | None, like: Tensor | None) -> Tensor | None:
+    """Gradient ``t`` in the dtype of the argument ``like`` it belongs to (None where that is absent)."""
+    return None if like is None else t.to(like.dtype)

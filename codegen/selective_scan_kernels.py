@@ -14,9 +14,8 @@ from torch import Tensor
 
 from mambac.codegen import render_selective_scan as R
 from mambac.codegen.autotune import interpreting
-from mambac.codegen.kernel_ir import IO_DTYPES
 from mambac.codegen.scan_ir import SelectiveScanRegion, io_of
-from mambac.codegen.scan_launch import cdiv, dense, plan_of, pow2, run_tuned, tiles
+from mambac.codegen.scan_launch import cast, cdiv, dense, plan_of, pow2, run_tuned, scan_supports, tiles
 
 DEFAULT_CHUNK = 64  # steps per chunk (the unit of parallelism along the sequence)
 SCRATCH_BYTES = 1 << 30  # the backward's recomputed states: chunks run in waves that fit this
@@ -29,13 +28,7 @@ def region_of(u: Tensor, D, z, delta_bias, initial_state, delta_softplus: bool,
                                has_D=D is not None, has_z=z is not None, has_init=initial_state is not None)
 
 
-def supports(*args) -> bool:
-    """Whether the generated kernels take this call (else the reference runs)."""
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    if not tensors or args[0].dtype not in [v[0] for v in IO_DTYPES.values()]:
-        return False
-    dev = args[0].device
-    return all(t.device == dev and t.dtype != torch.float64 and t.is_floating_point() for t in tensors)
+supports = scan_supports  # whether the generated kernels take this call (else the reference runs)
 
 
 class _Call:
@@ -150,9 +143,6 @@ def selective_scan_backward(args: Sequence, grads: Sequence[Optional[Tensor]],
         dB = dB.squeeze(1)
     if C.dim() == 3:
         dC = dC.squeeze(1)
-
-    def cast(t, like):
-        return None if like is None else t.to(like.dtype)
 
     return (cast(du, u), cast(ddelta, delta), cast(dA.sum((0, 1)), A), cast(dB, B), cast(dC, C),
             None if D is None else cast(dD.sum((0, 1)), D), None if z is None else cast(dz, z),

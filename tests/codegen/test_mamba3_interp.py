@@ -8,52 +8,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mambac.codegen import render_mamba3 as R
 from mambac.codegen.mamba3_kernels import mamba3_siso_backward, mamba3_siso_forward, supports
 from mambac.codegen.scan_ir import Mamba3SisoRegion
+from tests.codegen.scan_cases import assert_grads_match, check_mamba3, count_calls, mamba3_inputs
 from tests.codegen.scan_referee import mamba3_siso_referee
-from tests.codegen.referee import check_grads
 from tests.helpers import rel_err
 
 NAMES = ("x", "B", "C", "dt", "adt", "trap", "angles", "B_bias", "C_bias", "D", "z", "initial_angle",
          "initial_ssm", "initial_k", "initial_v")
-OUTS = ("y", "final_angle", "final_ssm", "final_k", "final_v")
-HALF = ("x", "B", "C", "z")
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 
 
-def make_inputs(seed, b, l, h, p, n, g, s, *, bias=False, D=False, z=False, init=False, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    dt = F.softplus(r(b, l, h) - 1.0)
-    vals = {"x": r(b, l, h, p), "B": r(b, l, g, n), "C": r(b, l, g, n), "dt": dt,
-            "adt": -dt * (torch.rand(h, generator=gen) + 0.5), "trap": r(b, l, h), "angles": r(b, l, h, s),
-            "B_bias": r(h, n) * 0.3 if bias else None, "C_bias": r(h, n) * 0.3 if bias else None,
-            "D": r(h) if D else None, "z": r(b, l, h, p) if z else None,
-            "initial_angle": r(b, h, s) if init else None, "initial_ssm": r(b, h, p, n) if init else None,
-            "initial_k": r(b, h, n) if init else None, "initial_v": r(b, h, p) if init else None}
-    return [vals[k].to(dtype) if k in HALF and vals[k] is not None else vals[k] for k in NAMES]
+def make_inputs(seed, b, l, h, p, n, g, s, **flags):
+    return mamba3_inputs(NAMES, seed, b, l, h, p, n, g, s, **flags)
 
 
 def check(args, chunk, seed=0):
-    dtype = args[0].dtype
-    ref_in = [None if a is None else a.double().requires_grad_(True) for a in args]
-    refs = mamba3_siso_referee(*ref_in)
-    gen = torch.Generator().manual_seed(seed + 1)
-    gouts = [torch.randn(o.shape, generator=gen).to(dtype if i == 0 else torch.float32)
-             for i, o in enumerate(refs)]
-    sum((o * g.double()).sum() for o, g in zip(refs, gouts)).backward()
-    outs = mamba3_siso_forward(*args, 64, chunk=chunk)
-    assert outs[0].dtype == dtype and all(o.dtype == torch.float32 for o in outs[1:])
-    errs = {name: rel_err(o, ref) for name, o, ref in zip(OUTS, outs, refs)}
-    grads = mamba3_siso_backward(list(args) + [64], gouts, chunk=chunk)
-    assert len(grads) == 16 and grads[-1] is None
-    check_grads(errs, NAMES, grads, args, ref_in, TOL[dtype])
+    check_mamba3(NAMES, args, mamba3_siso_referee, mamba3_siso_forward, mamba3_siso_backward, 64, chunk, seed)
 
 
 @pytest.mark.interp
@@ -81,10 +53,7 @@ def test_op_runs_generated_kernels_in_triton_mode(monkeypatch):
     from mambac.ops import mamba3_siso, use_kernels
     from mambac.ops.mamba3_siso import reference
 
-    calls = []
-    for fn in ("mamba3_siso_forward", "mamba3_siso_backward"):  # count calls, chunk 4
-        orig = getattr(K, fn)
-        monkeypatch.setattr(K, fn, lambda *a, _o=orig, _n=fn: calls.append(_n) or _o(*a, chunk=4))
+    calls = count_calls(monkeypatch, K, ("mamba3_siso_forward", "mamba3_siso_backward"), chunk=4)
     args = make_inputs(3, 1, 5, 1, 3, 4, 1, 2, D=True, z=True)
     leaves = [None if a is None else a.clone().requires_grad_(True) for a in args]
     kw = dict(B_bias=None, C_bias=None, D=leaves[9], z=leaves[10], chunk_size=4)
@@ -101,9 +70,7 @@ def test_op_runs_generated_kernels_in_triton_mode(monkeypatch):
     (y_ref.square().sum() + st_ref[1].sum()).backward()
     assert rel_err(y, y_ref) < 1e-5 and rel_err(st.ssm, st_ref[1]) < 1e-5
     assert rel_err(torch.cat([y1, y2], 1), y_ref) < 1e-5
-    for name, a, r in zip(NAMES, leaves, ref_in):
-        if a is not None:
-            assert rel_err(a.grad, r.grad) < 1e-4, name
+    assert_grads_match(NAMES, leaves, ref_in)
 
 
 def test_supports_rejects_float64():

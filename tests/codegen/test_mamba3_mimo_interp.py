@@ -9,54 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mambac.codegen import render_mamba3_mimo as R
 from mambac.codegen.mamba3_mimo_kernels import mamba3_mimo_backward, mamba3_mimo_forward, supports
 from mambac.codegen.scan_ir import Mamba3MimoRegion
+from tests.codegen.scan_cases import assert_grads_match, check_mamba3, count_calls, mamba3_inputs
 from tests.codegen.scan_referee import mamba3_mimo_referee
-from tests.codegen.referee import check_grads
 from tests.helpers import rel_err
 
 NAMES = ("x", "B", "C", "dt", "adt", "trap", "angles", "B_bias", "C_bias", "mimo_x", "mimo_z", "mimo_o", "D",
          "z", "initial_angle", "initial_ssm", "initial_k", "initial_v")
-OUTS = ("y", "final_angle", "final_ssm", "final_k", "final_v")
-HALF = ("x", "B", "C", "z")
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 
 
-def make_inputs(seed, b, l, h, p, n, g, s, r, *, bias=False, z=False, fold=False, D=False, init=False,
-                dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    dt = F.softplus(rn(b, l, h) - 1.0)
-    vals = {"x": rn(b, l, h, p), "B": rn(b, l, r, g, n), "C": rn(b, l, r, g, n), "dt": dt,
-            "adt": -dt * (torch.rand(h, generator=gen) + 0.5), "trap": rn(b, l, h), "angles": rn(b, l, h, s),
-            "B_bias": rn(h, r, n) * 0.3 if bias else None, "C_bias": rn(h, r, n) * 0.3 if bias else None,
-            "mimo_x": rn(h, r, p), "mimo_z": rn(h, r, p) if z else None, "mimo_o": rn(h, r, p) if fold else None,
-            "D": rn(h) if D else None, "z": rn(b, l, h, p) if z else None,
-            "initial_angle": rn(b, h, s) if init else None, "initial_ssm": rn(b, h, p, n) if init else None,
-            "initial_k": rn(b, r, h, n) if init else None, "initial_v": rn(b, h, p) if init else None}
-    return [vals[k].to(dtype) if k in HALF and vals[k] is not None else vals[k] for k in NAMES]
+def make_inputs(seed, b, l, h, p, n, g, s, r, **flags):
+    return mamba3_inputs(NAMES, seed, b, l, h, p, n, g, s, r, **flags)
 
 
 def check(args, chunk, seed=0):
-    dtype = args[0].dtype
-    ref_in = [None if a is None else a.double().requires_grad_(True) for a in args]
-    refs = mamba3_mimo_referee(*ref_in)
-    gen = torch.Generator().manual_seed(seed + 1)
-    gouts = [torch.randn(o.shape, generator=gen).to(dtype if i == 0 else torch.float32)
-             for i, o in enumerate(refs)]
-    sum((o * g.double()).sum() for o, g in zip(refs, gouts)).backward()
-    outs = mamba3_mimo_forward(*args, 16, chunk=chunk)
-    assert outs[0].dtype == dtype and all(o.dtype == torch.float32 for o in outs[1:])
-    errs = {name: rel_err(o, ref) for name, o, ref in zip(OUTS, outs, refs)}
-    grads = mamba3_mimo_backward(list(args) + [16], gouts, chunk=chunk)
-    assert len(grads) == 19 and grads[-1] is None
-    check_grads(errs, NAMES, grads, args, ref_in, TOL[dtype])
+    check_mamba3(NAMES, args, mamba3_mimo_referee, mamba3_mimo_forward, mamba3_mimo_backward, 16, chunk, seed)
 
 
 @pytest.mark.interp
@@ -84,10 +54,7 @@ def test_op_runs_generated_kernels_in_triton_mode(monkeypatch):
     from mambac.ops import mamba3_mimo, use_kernels
     from mambac.ops.mamba3_mimo import reference
 
-    calls = []
-    for fn in ("mamba3_mimo_forward", "mamba3_mimo_backward"):  # count calls, chunk 4
-        orig = getattr(K, fn)
-        monkeypatch.setattr(K, fn, lambda *a, _o=orig, _n=fn: calls.append(_n) or _o(*a, chunk=4))
+    calls = count_calls(monkeypatch, K, ("mamba3_mimo_forward", "mamba3_mimo_backward"), chunk=4)
     args = make_inputs(3, 1, 5, 1, 3, 4, 1, 2, 2, fold=True, D=True)
     leaves = [None if a is None else a.clone().requires_grad_(True) for a in args]
     with use_kernels("triton"):
@@ -99,9 +66,7 @@ def test_op_runs_generated_kernels_in_triton_mode(monkeypatch):
     y_ref, *st_ref = reference(*ref_in, 4)
     (y_ref.square().sum() + st_ref[1].sum()).backward()
     assert rel_err(y, y_ref) < 1e-5 and rel_err(st.ssm, st_ref[1]) < 1e-5
-    for name, a, r in zip(NAMES, leaves, ref_in):
-        if a is not None:
-            assert rel_err(a.grad, r.grad) < 1e-4, name
+    assert_grads_match(NAMES, leaves, ref_in)
 
 
 def test_supports_needs_even_dstate_and_no_float64():

@@ -14,6 +14,7 @@ from mambac.codegen import render_selective_scan as R
 from mambac.codegen.scan_ir import SelectiveScanRegion
 from mambac.codegen.selective_scan_kernels import (selective_scan_backward, selective_scan_forward,
                                                    supports)
+from tests.codegen.scan_cases import assert_grads_match, count_calls
 from tests.codegen.scan_referee import selective_scan_referee
 from tests.codegen.referee import check_grads
 from tests.helpers import rel_err
@@ -78,10 +79,7 @@ def test_op_runs_generated_kernels_in_triton_mode(monkeypatch):
     from mambac.ops import selective_scan, use_kernels
     from mambac.ops.selective_scan import reference
 
-    calls = []
-    for fn in ("selective_scan_forward", "selective_scan_backward"):  # count calls, chunk 4
-        orig = getattr(K, fn)
-        monkeypatch.setattr(K, fn, lambda *a, _o=orig, _n=fn: calls.append(_n) or _o(*a, chunk=4))
+    calls = count_calls(monkeypatch, K, ("selective_scan_forward", "selective_scan_backward"), chunk=4)
     args = make_inputs(9, 1, 3, 6, 4, 0, D=True, z=True, init=True)
     leaves = [None if a is None else a.clone().requires_grad_(True) for a in args]
     with use_kernels("triton"):
@@ -93,9 +91,7 @@ def test_op_runs_generated_kernels_in_triton_mode(monkeypatch):
     o_ref, l_ref = reference(*ref_in, True)
     (o_ref.square().sum() + l_ref.sum()).backward()
     assert rel_err(out, o_ref) < 1e-5 and rel_err(last, l_ref) < 1e-5
-    for name, a, r in zip(NAMES, leaves, ref_in):
-        if a is not None:
-            assert rel_err(a.grad, r.grad) < 1e-4, name
+    assert_grads_match(NAMES, leaves, ref_in)
 
 
 @pytest.mark.interp
