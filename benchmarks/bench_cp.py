@@ -64,18 +64,29 @@ def cp_rank(t: dict, q: int, world: int, gathered: torch.Tensor):
     return y, final
 
 
-def cuda_graph(fn):
-    """``fn`` captured once in a CUDA graph (after warm-up runs that compile and autotune): replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+_OPS_TABLE = False   # --ops: print the profiler's table of ops per timed body
+
+
+def gpu_time(fn, reps: int = 20) -> tuple[float, dict[str, float]]:
+    """Mean GPU time of one call of ``fn`` (µs): the summed durations of the kernels (and copies)
+    the profiler records, so launch gaps do not count; also the time per kernel name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
         fn()
-    return graph.replay
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / reps
+    if _OPS_TABLE:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14))
+    return sum(per_name.values()), per_name
 
 
 def _reference(fn):
@@ -103,7 +114,10 @@ def timer(device: str):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tiny", action="store_true", help="small case on the CPU (checks the script)")
+    ap.add_argument("--ops", action="store_true", help="print the profiler's op table of each GPU-timed body")
     args = ap.parse_args(argv)
+    global _OPS_TABLE
+    _OPS_TABLE = args.ops
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     s = TINY if device == "cpu" else S1_SPLIT4
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -150,15 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                 "correction (+ z gate)": bench(lambda: cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])),
             }
         graphed = {}
-        if device == "cuda":  # the GPU's own work, without Python's launch cost: replay CUDA graphs
+        kernels = {}
+        if device == "cuda":  # the GPU's own work, without Python's launch cost: profiled kernel time
             for key, fn in (("local scan", lambda: local_scan(t, s["q"])),
                             ("cp rank", lambda: cp_rank(t, s["q"], s["world"], gathered))):
                 for kind, body in (("fwd", fn), ("fwd+bwd", fwd_bwd(fn))):
-                    try:
-                        with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
-                            graphed[kind, key] = bench(cuda_graph(body))
-                    except Exception as exc:  # a piece that cannot be captured
-                        graphed[kind, key] = f"not capturable ({type(exc).__name__}: {exc})"[:120]
+                    with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
+                        graphed[kind, key], kernels[kind, key] = gpu_time(body)
     name = "S1 split in 4 (b4 l1024 h48 p64 n128 g1)" if device == "cuda" else "tiny (CPU)"
     print(f"context-parallel SSD overhead, {name}, {dtype}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
     print(f"check: zero incoming state reproduces the scan, rel err {err:.1e}")
@@ -173,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         base, cp = graphed[kind, "local scan"], graphed[kind, "cp rank"]
         extra = f"{cp - base:.1f} µs, {100 * (cp - base) / base:.1f}%" if isinstance(cp, float) and \
             isinstance(base, float) else "-"
-        print(f"{kind} as CUDA graphs (GPU work only): local scan {base}, cp rank {cp}, extra {extra}")
+        print(f"{kind}, GPU kernel time only (µs): local scan {base:.1f}, cp rank {cp:.1f}, extra {extra}")
+        extra_kernels = {k: v - kernels[kind, "local scan"].get(k, 0.0) for k, v in kernels[kind, "cp rank"].items()}
+        top = sorted(((v, k) for k, v in extra_kernels.items() if v > 0.5), reverse=True)[:8]
+        print(f"  kernels the cp rank adds ({kind}, µs per call): " + "; ".join(f"{k[:60]} {v:.1f}" for v, k in top))
     return 0
 
 

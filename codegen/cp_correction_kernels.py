@@ -5,8 +5,9 @@ A rank that scanned its piece from a zero state gets the true output as
 incoming state.  One forward launch per (span of L, head, batch) does the (BL x n) @ (n x p)
 matmul, the row scale, the add and the gate in registers; y0, z and C are read once and y written
 once.  One backward launch per (block of L, heads of one group, batch) recomputes the correction,
-writes dy0 (= dy without z), dz and dcum, sums dC over its heads in registers, and adds its dC and
-dS_in partials with fp32 atomics (so the sums' order, and their last bits, may vary between runs).
+writes dy0 (= dy without z), dz and dcum, sums dC over its heads in registers and adds it with one
+fp32 atomic per element; a second launch per (head, span of L, batch) sums dS_in over its steps in
+registers (one add per program, so few atomics; their order, and the sums' last bits, may vary).
 
 Matmul operands are cast to the input dtype for bf16/fp16 (fp32 accumulation) and run in IEEE
 fp32 for fp32 inputs.  Tiles are picked by ``autotune.choose`` among a few configs on CUDA.
@@ -24,7 +25,7 @@ from mambac.codegen import autotune
 from mambac.codegen.kernel_ir import TileConfig
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_VERSION = "v2"
+_VERSION = "v3"
 
 
 @triton.jit
@@ -84,13 +85,13 @@ def _cp_corr_fwd(Y0, C, CUM, S, Z, Y, L, P, N, HPG,
 
 
 @triton.jit
-def _cp_corr_bwd(DY, Y0, C, CUM, S, Z, DY0, DZ, DCUM, DC, DS, L, P, N, H, HPG,
+def _cp_corr_bwd(DY, Y0, C, CUM, S, Z, DY0, DZ, DCUM, DC, L, P, N, H, HPG,
                  sd_b, sd_l, sd_h, sy_b, sy_l, sy_h, sc_b, sc_l, sc_g, sm_b, sm_l, sm_h,
                  sz_b, sz_l, sz_h,
                  HAS_Z: tl.constexpr, DOT: tl.constexpr, HB: tl.constexpr,
                  BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
-    """dy0/dz (b, l, h, p; written only with z) and dcum (b, l, h) contiguous; dC (b, l, g, n) and
-    dS (b, h, p, n) fp32, zeroed, accumulated atomically."""
+    """dy0/dz (b, l, h, p; written only with z) and dcum (b, l, h) contiguous; dC (b, l, g, n) fp32,
+    zeroed, accumulated atomically (one add per program: its heads are summed in registers)."""
     pid_l = tl.program_id(0)
     h0 = tl.program_id(1) * HB
     bb = tl.program_id(2).to(tl.int64)
@@ -132,11 +133,39 @@ def _cp_corr_bwd(DY, Y0, C, CUM, S, Z, DY0, DZ, DCUM, DC, DS, L, P, N, H, HPG,
         tl.store(DCUM + bb * L * H + ol * H + hh, dcum, mask=ml)
         w = _cast(dpre * e[:, None], Y0, DOT)
         dc += _dot(w, s, DOT)
-        ds = _dot(tl.trans(w), c, DOT)
-        tl.atomic_add(DS + (bb * H + hh) * P * N + op[:, None] * N + on[None, :], ds, mask=ms, sem="relaxed")
     G = H // HPG
     tl.atomic_add(DC + bb * L * G * N + gg * N + ol[:, None] * (G * N) + on[None, :], dc, mask=mc,
                   sem="relaxed")
+
+
+@triton.jit
+def _cp_corr_ds(DP, Y0, C, CUM, DS, L, P, N, H, HPG,
+                sp_b, sp_l, sp_h, sc_b, sc_l, sc_g, sm_b, sm_l, sm_h,
+                DOT: tl.constexpr, BL: tl.constexpr, SPAN: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+    """dS_in (b, h, p, n) fp32 = sum over steps of (exp(cum) * dpre)^T C: one program per (head,
+    span of L, batch) keeps its (p, n) sum in registers and adds it once (zeroed output).  ``DP`` is
+    the gradient before the gate (dy0: dy * silu(z) with a gate, dy itself without)."""
+    hh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
+    gg = hh // HPG
+    op = tl.arange(0, BP)
+    on = tl.arange(0, BN)
+    mp = op < P
+    mn = on < N
+    acc = tl.zeros((BP, BN), dtype=tl.float32)
+    for j in range(0, SPAN, BL):
+        ol = pid_s * SPAN + j + tl.arange(0, BL)
+        ml = ol < L
+        dp = tl.load(DP + bb * sp_b + hh * sp_h + ol[:, None] * sp_l + op[None, :],
+                     mask=ml[:, None] & mp[None, :], other=0.0).to(tl.float32)
+        e = tl.exp(tl.load(CUM + bb * sm_b + ol * sm_l + hh * sm_h, mask=ml, other=0.0).to(tl.float32))
+        c = tl.load(C + bb * sc_b + gg * sc_g + ol[:, None] * sc_l + on[None, :],
+                    mask=ml[:, None] & mn[None, :], other=0.0)
+        w = _cast(dp * e[:, None], Y0, DOT)
+        acc += _dot(tl.trans(w), _cast(c, Y0, DOT), DOT)
+    tl.atomic_add(DS + (bb * H + hh) * P * N + op[:, None] * N + on[None, :], acc,
+                  mask=mp[:, None] & mn[None, :], sem="relaxed")
 
 
 def _dot_mode(y0: Tensor) -> int:
@@ -175,8 +204,21 @@ def _bwd_candidates(p: int, n: int, hpg: int) -> list[TileConfig]:
     divs = [d for d in (8, 4, 2, 1) if hpg % d == 0]
     big = _pow2(p) * _pow2(n) > 64 * 128
     blocks = ((32, 4), (16, 4)) if big else ((64, 8), (32, 4), (64, 4), (128, 8))   # (steps, warps)
-    return [TileConfig(block_m=bl, heads=hb, num_warps=w, num_stages=1)
-            for bl, w in blocks for hb in divs[:2]]
+    return [TileConfig(block_m=bl, heads=hb, num_warps=w, num_stages=st)
+            for bl, w in blocks for hb in divs[:3] for st in (1, 2)]
+
+
+def _ds_candidates(b: int, h: int, l: int) -> list[TileConfig]:
+    """block_m: steps per tile; block_k: steps per program (the whole length when b * h programs
+    fill the device, else a few spans whose sums are added)."""
+    if autotune.interpreting() or not torch.cuda.is_available():
+        return [TileConfig(block_m=16, block_k=32, num_warps=1, num_stages=1)]
+    cands = []
+    for bl, w in ((64, 4), (32, 4), (64, 8)):
+        whole = triton.cdiv(l, bl) * bl
+        for span in {whole, max(bl, triton.cdiv(triton.cdiv(l, 4), bl) * bl)}:
+            cands.append(TileConfig(block_m=bl, block_k=span, num_warps=w, num_stages=2))
+    return cands
 
 
 def _choose(name: str, dims: tuple[int, ...], cands: list[TileConfig], launch) -> TileConfig:
@@ -226,20 +268,33 @@ def correction_backward(dy: Tensor, y0: Tensor, C: Tensor, cum: Tensor, s_in: Te
     dcum = torch.empty(b, l, h, device=dev, dtype=torch.float32)
     dot = _dot_mode(y0)
 
-    def launch(cfg: TileConfig) -> tuple[Tensor, Tensor]:
+    def launch(cfg: TileConfig) -> Tensor:
         dc = torch.zeros(b, l, g, n, device=dev, dtype=torch.float32)
-        ds = torch.zeros(b, h, p, n, device=dev, dtype=torch.float32)
         _cp_corr_bwd[(triton.cdiv(l, cfg.block_m), h // cfg.heads, b)](
-            dy, y0, C, cum, s, zz, dy0, dz, dcum, dc, ds, l, p, n, h, hpg,
+            dy, y0, C, cum, s, zz, dy0, dz, dcum, dc, l, p, n, h, hpg,
             dy.stride(0), dy.stride(1), dy.stride(2), y0.stride(0), y0.stride(1), y0.stride(2),
             C.stride(0), C.stride(1), C.stride(2), cum.stride(0), cum.stride(1), cum.stride(2),
             zz.stride(0), zz.stride(1), zz.stride(2),
             HAS_Z=z is not None, DOT=dot, HB=cfg.heads, BL=cfg.block_m, BP=_pow2(p), BN=_pow2(n),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return dc, ds
+        return dc
 
     cfg = _choose("bwd", (b, l, h, p, n, g, int(z is not None)), _bwd_candidates(p, n, hpg), launch)
-    dc, ds = launch(cfg)
+    dc = launch(cfg)
+    dpre = dy0 if z is not None else dy        # the gradient before the gate
+
+    def launch_ds(cfg: TileConfig) -> Tensor:
+        ds = torch.zeros(b, h, p, n, device=dev, dtype=torch.float32)
+        _cp_corr_ds[(h, triton.cdiv(l, cfg.block_k), b)](
+            dpre, y0, C, cum, ds, l, p, n, h, hpg,
+            dpre.stride(0), dpre.stride(1), dpre.stride(2), C.stride(0), C.stride(1), C.stride(2),
+            cum.stride(0), cum.stride(1), cum.stride(2),
+            DOT=dot, BL=cfg.block_m, SPAN=cfg.block_k, BP=_pow2(p), BN=_pow2(n),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return ds
+
+    cfg = _choose("ds", (b, l, h, p, n, g), _ds_candidates(b, h, l), launch_ds)
+    ds = launch_ds(cfg)
     return (dy0, dc.to(C.dtype), dcum.to(cum.dtype), ds.to(s_in.dtype),
             dz if z is not None else None)
 

@@ -5,7 +5,7 @@ A cp rank needs the inclusive cumulative log-decay ``cum_t = sum_{s<=t} A * dt'_
 travels with the final state) and every step scales the output correction.  In PyTorch that is
 four elementwise launches and a cumsum along the sequence, which is not the contiguous dim of the
 (b, l, h) layout.  Here one forward launch per (batch, block of heads) walks the sequence in tiles
-of (steps x heads) -- rows of contiguous heads, so loads are coalesced -- applying the prologue and
+of (steps x heads) -- the whole piece in one tile up to 1024 steps -- applying the prologue and
 carrying the running sum between tiles.  One backward launch walks it from the end: the reverse
 cumsum of dcum gives d(A dt'), then the prologue's backward gives ddt, and each program writes its
 (batch, heads) partial sums of dA and dbias (summed over the batch afterwards, in a fixed order).
@@ -23,7 +23,8 @@ import triton.language as tl
 from torch import Tensor
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_L = 64
+MAX_STEPS = 1024
+TILE = 8192
 
 
 @triton.jit
@@ -108,8 +109,12 @@ def _last_unit(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _heads_block(h: int) -> int:
-    return min(32, max(16, triton.next_power_of_2(h)))
+def _tiles(l: int, h: int) -> tuple[int, int]:
+    """(steps, heads) of one tile: the whole length in one tile up to 1024 steps (the walk along
+    the sequence is then one load, one cumsum and one store), about 8K numbers per tile."""
+    bl = min(MAX_STEPS, max(16, triton.next_power_of_2(l)))
+    bh = max(2, min(32, TILE // bl, triton.next_power_of_2(h)))
+    return bl, bh
 
 
 def _flags(dt_bias: Optional[Tensor], softplus: bool, dt_min: float, dt_max: float) -> dict:
@@ -123,12 +128,12 @@ def summaries_forward(dt: Tensor, A: Tensor, dt_bias: Optional[Tensor], softplus
     b, l, h = dt.shape
     dt = _last_unit(dt)
     cum = torch.empty(b, l, h, device=dt.device, dtype=torch.float32)
-    bh = _heads_block(h)
+    bl, bh = _tiles(l, h)
     bias = dt_bias.contiguous() if dt_bias is not None else A
     _cum_fwd[(b, triton.cdiv(h, bh))](
         dt, bias, A.contiguous(), cum, l, h, dt.stride(0), dt.stride(1), cum.stride(0), cum.stride(1),
         float(dt_min), float(min(dt_max, 3.0e38)), **_flags(dt_bias, softplus, dt_min, dt_max),
-        BL=BLOCK_L, BH=bh, num_warps=4)
+        BL=bl, BH=bh, num_warps=8 if bl * bh >= 4096 else 4)
     return cum
 
 
@@ -140,12 +145,12 @@ def summaries_backward(dcum: Tensor, dt: Tensor, A: Tensor, dt_bias: Optional[Te
     ddt = torch.empty(b, l, h, device=dt.device, dtype=dt.dtype)
     da = torch.empty(b, h, device=dt.device, dtype=torch.float32)
     db = torch.empty(b, h, device=dt.device, dtype=torch.float32) if dt_bias is not None else da
-    bh = _heads_block(h)
+    bl, bh = _tiles(l, h)
     bias = dt_bias.contiguous() if dt_bias is not None else A
     _cum_bwd[(b, triton.cdiv(h, bh))](
         dcum, dt, bias, A.contiguous(), ddt, da, db, l, h, dcum.stride(0), dcum.stride(1), dt.stride(0),
         dt.stride(1), ddt.stride(0), ddt.stride(1), float(dt_min), float(min(dt_max, 3.0e38)),
-        **_flags(dt_bias, softplus, dt_min, dt_max), BL=BLOCK_L, BH=bh, num_warps=4)
+        **_flags(dt_bias, softplus, dt_min, dt_max), BL=bl, BH=bh, num_warps=8 if bl * bh >= 4096 else 4)
     dbias = db.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
     return ddt, da.sum(0).to(A.dtype), dbias
 

@@ -54,6 +54,7 @@ def _compare(inputs, dcum, dtype, softplus, lo, hi):
     (37, 5, True, True, 0.05, 2.0, torch.float32),         # clamp active on both sides
     (64, 4, False, False, 0.0, math.inf, torch.float32),   # no prologue at all
     (19, 33, False, True, 0.0, 1.5, torch.float32),        # heads over one block
+    (1100, 3, True, True, 0.0, math.inf, torch.float32),   # over one tile: the carry between tiles
     (70, 3, True, True, 0.0, math.inf, torch.bfloat16),
 ])
 def test_fused_summaries_match_reference(l, h, has_bias, softplus, lo, hi, dtype):
