@@ -37,24 +37,40 @@ def _softplus(v):
 
 
 @triton.jit
-def _cum_fwd(DT, BIAS, A, CUM, L, H, sd_b, sd_l, sc_b, sc_l, dt_min, dt_max,
-             HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr,
-             BL: tl.constexpr, BH: tl.constexpr):
+def _program_heads(A, BIAS, H, HAS_BIAS: tl.constexpr, BH: tl.constexpr):
+    """This program's batch row and block of heads, with their A and dt_bias (zero without one)."""
     bb = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = hs < H
     a = tl.load(A + hs, mask=hm, other=0.0).to(tl.float32)
+    bias = tl.zeros((BH,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(BIAS + hs, mask=hm, other=0.0).to(tl.float32)
+    return bb, hs, hm, a, bias
+
+
+@triton.jit
+def _load_dt(DT, bb, sd_b, sd_l, ls, hs, m, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """A (steps x heads) tile of dt + dt_bias in fp32, before and after the softplus."""
+    v = tl.load(DT + bb * sd_b + ls[:, None] * sd_l + hs[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v = v + bias[None, :]
+    d = v
+    if SOFTPLUS:
+        d = _softplus(v)
+    return v, d
+
+
+@triton.jit
+def _cum_fwd(DT, BIAS, A, CUM, L, H, sd_b, sd_l, sc_b, sc_l, dt_min, dt_max,
+             HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr,
+             BL: tl.constexpr, BH: tl.constexpr):
+    bb, hs, hm, a, bias = _program_heads(A, BIAS, H, HAS_BIAS, BH)
     carry = tl.zeros((BH,), dtype=tl.float32)
     for l0 in range(0, L, BL):
         ls = l0 + tl.arange(0, BL)
         m = (ls[:, None] < L) & hm[None, :]
-        d = tl.load(DT + bb * sd_b + ls[:, None] * sd_l + hs[None, :], mask=m, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            d = d + bias[None, :]
-        if SOFTPLUS:
-            d = _softplus(d)
+        v, d = _load_dt(DT, bb, sd_b, sd_l, ls, hs, m, bias, HAS_BIAS, SOFTPLUS)
         if CLAMP:
             d = tl.minimum(tl.maximum(d, dt_min), dt_max)
         da = tl.where(m, d * a[None, :], 0.0)
@@ -67,12 +83,7 @@ def _cum_fwd(DT, BIAS, A, CUM, L, H, sd_b, sd_l, sc_b, sc_l, dt_min, dt_max,
 def _cum_bwd(DCUM, DT, BIAS, A, DDT, DA, DBIAS, L, H, sg_b, sg_l, sd_b, sd_l, so_b, so_l, dt_min, dt_max,
              HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr,
              BL: tl.constexpr, BH: tl.constexpr):
-    bb = tl.program_id(0).to(tl.int64)
-    hs = tl.program_id(1) * BH + tl.arange(0, BH)
-    hm = hs < H
-    a = tl.load(A + hs, mask=hm, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + hs, mask=hm, other=0.0).to(tl.float32)
+    bb, hs, hm, a, bias = _program_heads(A, BIAS, H, HAS_BIAS, BH)
     carry = tl.zeros((BH,), dtype=tl.float32)   # sum of dcum over the steps after this tile
     da_acc = tl.zeros((BH,), dtype=tl.float32)
     db_acc = tl.zeros((BH,), dtype=tl.float32)
@@ -84,12 +95,7 @@ def _cum_bwd(DCUM, DT, BIAS, A, DDT, DA, DBIAS, L, H, sg_b, sg_l, sd_b, sd_l, so
         g = tl.load(DCUM + bb * sg_b + ls[:, None] * sg_l + hs[None, :], mask=m, other=0.0).to(tl.float32)
         dda = tl.cumsum(g, 0, reverse=True) + carry[None, :]       # d(A dt') of every step
         carry = carry + tl.sum(g, 0)
-        v = tl.load(DT + bb * sd_b + ls[:, None] * sd_l + hs[None, :], mask=m, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            v = v + bias[None, :]
-        d = v
-        if SOFTPLUS:
-            d = _softplus(d)
+        v, d = _load_dt(DT, bb, sd_b, sd_l, ls, hs, m, bias, HAS_BIAS, SOFTPLUS)
         grad = dda * a[None, :]
         if CLAMP:
             grad = tl.where((d >= dt_min) & (d <= dt_max), grad, 0.0)   # torch's inclusive rule
