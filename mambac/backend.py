@@ -3,7 +3,8 @@
 Dynamo captures each region of Python it can follow into a torch-level FX graph (the custom ops
 ``torch.ops.mambac.*`` are single nodes there; parameters are graph inputs) and hands it to this
 backend with example inputs.  The backend gives every node its fake value (symbolic sizes
-included), names the module each node came from, runs mambac's pass pipeline -- the same passes
+included), names the module each node came from, replaces transformers' Mamba / Mamba-2 mixers by
+mambac's on the same parameters (``mambac.backend_foreign``), runs mambac's pass pipeline -- the same passes
 ``mambac.compile`` runs -- and returns the lowered graph.  Autograd flows through the ops' own
 rules, as under ``mambac.compile``; ``MambacBackend(trace_backward=True)`` hands the lowered
 graph to AOTAutograd instead (docs/backend.md says why that is not the default).  Regions dynamo
@@ -31,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
+from mambac.backend_foreign import swap_foreign_mixers
 from mambac.capture import propagate_shapes
 from mambac.errors import MambacOptionsError
 from mambac.ir import SOURCE, SourceInfo
@@ -104,8 +106,9 @@ def annotate_sources(gm: torch.fx.GraphModule) -> None:
 def recognise_mixers(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, str]:
     """Find the Mamba mixers in ``gm`` by their module class and say which are lowered.
 
-    A mixer is lowered when its nodes include mambac ops (mambac's own mixers); a foreign mixer
-    (transformers, mamba_ssm) runs as its own PyTorch code.  Returns path → class name; counts
+    A mixer is lowered when its nodes include mambac ops: mambac's own mixers, and transformers'
+    mixers that ``swap_foreign_mixers`` replaced by mambac's (``mambac.backend_foreign``); any
+    other (mamba_ssm's, an HF mixer it could not replace) runs as its own PyTorch code.  Returns path → class name; counts
     ``mixers.lowered`` / ``mixers.not_lowered`` in ``ctx.stats['backend']``.
     """
     found: dict[str, str] = {}
@@ -122,7 +125,7 @@ def recognise_mixers(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, st
     foreign = sorted({found[p] for p in found if p not in lowered})
     if foreign:
         log.warning("mambac backend: %d mixer(s) of %s run as their own PyTorch code (nothing to fuse); "
-                    "compile mambac.convert.convert(model) instead to lower them.", len(found) - len(lowered),
+                    "compile mambac.convert.convert(model) to lower them.", len(found) - len(lowered),
                     ", ".join(foreign))
     return found
 
@@ -159,6 +162,8 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     mode = _fake_mode_for(example_inputs)
     with _real_constants_allowed(mode):
         propagate_shapes(gm, list(example_inputs), mode)
+        if options.world_size == 1 and swap_foreign_mixers(gm, example_inputs):
+            propagate_shapes(gm, list(example_inputs), mode)  # the swapped-in mixers' nodes
     ctx = _context(options)
     recognise_mixers(gm, ctx)  # before the passes: remat moves op nodes into sub-graphs
     gm = run_passes(gm, ctx, pipeline_for(options))
@@ -242,6 +247,11 @@ class MambacBackend:
 
     def __init__(self, *, trace_backward: bool = False, **options: Any) -> None:
         self.options = CompileOptions.create(**options)
+        if self.options.cuda_graphs:
+            raise MambacOptionsError(
+                "cuda_graphs=True is not supported by the torch.compile backend: dynamo hands mambac pieces of the "
+                "model between graph breaks, and guards and Python run between them on every call. Use "
+                "mambac.compile(model, cuda_graphs=True) to replay the whole compiled model as CUDA graphs.")
         self.mesh = None
         if self.options.world_size > 1:
             from mambac.backend_parallel import check_parallel_options, parallel_mesh

@@ -1,6 +1,7 @@
 """torch.compile(model, backend="mambac"): discovery without importing mambac, options, parity of
-logits and parameter gradients with eager (fp32, <= 1e-5) for Mamba-1/2/3 and a transformers
-Mamba-2, fusion counts on dynamo's graphs, graph breaks, dynamic sequence lengths, fake inputs."""
+logits and parameter gradients with eager (fp32, <= 1e-5) for Mamba-1/2/3 and transformers'
+Mamba-1/Mamba-2 (their mixers swapped for mambac's, or left as they are where that is not safe),
+fusion counts on dynamo's graphs, graph breaks, dynamic sequence lengths, fake inputs."""
 from __future__ import annotations
 
 import json
@@ -80,6 +81,7 @@ def test_entry_point_finds_the_backend_without_importing_mambac(tmp_path):
     (dict(trace_backward=True), "unknown compile option 'trace_backward'"),
     (dict(world_size=2, dp=2), "dp=2 is not supported by the torch.compile backend on several ranks"),
     (dict(world_size=2, tp=1, cp=2, cp_inputs="local"), "cp_inputs='local' is not supported by the torch.compile"),
+    (dict(cuda_graphs=True), "cuda_graphs=True is not supported by the torch.compile backend"),
 ])
 def test_bad_options_reach_the_user(options, message):
     compiled = torch.compile(lambda t: t + 1, backend="mambac", options=options)
@@ -195,27 +197,173 @@ def test_new_lengths_recompile_once(name):
     assert _fusions(backend.graphs[1]) == {k: v // 2 for k, v in EXPECTED_FUSIONS[name].items()}
 
 
-def test_transformers_mamba2_matches_eager_and_lowers_once_converted():
+def _hf_logits(m):
+    return lambda x, **kw: m(x, use_cache=False, **kw).logits
+
+
+def _mixer_fusions(lowered) -> dict:
+    """fuse_ssm's counts inside the mixers (add_rmsnorm folds the blocks' residual add and norm,
+    which stay HF's own code when the HF model is compiled as it is)."""
+    return {k: v for k, v in _fusions(lowered).items() if k != "add_rmsnorm"}
+
+
+@pytest.mark.parametrize("case", ["mamba2_lm_groups", "mamba_lm"])
+def test_transformers_mixers_are_swapped_and_fused_as_converted(case):
+    """HF's mixers in dynamo's graph are replaced by mambac's captured mixers on the HF parameters:
+    logits and every HF parameter's gradient equal HF eager, and the mixers fuse as under
+    mambac.compile(convert(model))."""
     from mambac.convert import convert
+    from tests.convert.hf_models import hf_model
+
+    model = hf_model(case)
+    ids = torch.randint(0, 37, (2, 8))
+    as_is = MambacBackend()
+    _check_parity(model, _hf_logits(model), _hf_logits(torch.compile(model, backend=as_is)), ids)
+    assert len(as_is.graphs) == 1
+    lowered = as_is.graphs[0]
+    assert lowered.ctx.stats["backend"].counts == {"mixers.lowered": 2, "mixers.not_lowered": 0}
+    hf_mixers = [m for m in model.modules() if type(m).__name__.endswith("Mixer")]
+    swapped = [m for name, m in vars(lowered.gm).items() if name.startswith("mambac_mixer_")]
+    assert len(swapped) == 2
+    for ours, theirs in zip(swapped, hf_mixers):  # the HF parameters themselves, not copies
+        assert {n: id(p) for n, p in ours.named_parameters()} == {n: id(p) for n, p in theirs.named_parameters()}
+    converted = MambacBackend()
+    _check_parity(model, _hf_logits(model), torch.compile(convert(model), backend=converted), ids)
+    assert converted.graphs[0].ctx.stats["backend"].counts == {"mixers.lowered": 2, "mixers.not_lowered": 0}
+    assert _mixer_fusions(lowered) == _mixer_fusions(converted.graphs[0])
+    assert sum(_mixer_fusions(lowered).values()) >= 6  # conv+SiLU, D skip, dt / delta prologue per layer
+
+
+def test_transformers_swapped_mixers_through_aot_autograd():
+    from tests.convert.hf_models import hf_model
+
+    model = hf_model("mamba2_lm_groups")
+    backend = MambacBackend(trace_backward=True)
+    _check_parity(model, _hf_logits(model), _hf_logits(torch.compile(model, backend=backend)),
+                  torch.randint(0, 37, (2, 8)))
+    assert backend.graphs[0].ctx.stats["backend"].counts == {"mixers.lowered": 2, "mixers.not_lowered": 0}
+
+
+def test_transformers_mamba2_new_length_lowers_with_symbolic_sizes():
+    from tests.convert.hf_models import hf_model
+
+    model = hf_model("mamba2_lm_oddheads")
+    backend = MambacBackend()
+    compiled = _hf_logits(torch.compile(model, backend=backend))
+    for seqlen in (8, 11):  # 11 is not a multiple of the chunk size (4)
+        _check_parity(model, _hf_logits(model), compiled, torch.randint(0, 37, (2, seqlen)))
+    assert len(backend.graphs) == 2
+    dynamic = backend.graphs[1]
+    ids = next(n.meta["val"] for n in dynamic.gm.graph.nodes
+               if n.op == "placeholder" and isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].dim() == 2
+               and n.meta["val"].dtype == torch.long)
+    assert isinstance(ids.shape[1], torch.SymInt)
+    assert dynamic.ctx.stats["backend"].counts == {"mixers.lowered": 2, "mixers.not_lowered": 0}
+    assert _fusions(dynamic) == _fusions(backend.graphs[0])
+
+
+def test_transformers_mixer_with_attention_mask_runs_unlowered(caplog):
+    """An attention mask that is not None reaches every mixer: the regions stay HF's code, with a
+    warning that says why, and the results equal eager."""
     from tests.convert.hf_models import hf_model
 
     model = hf_model("mamba2_lm_groups")
     ids = torch.randint(0, 37, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    backend = MambacBackend()
+    compiled = torch.compile(model, backend=backend)
+    with caplog.at_level("WARNING", logger="mambac.backend"):
+        _check_parity(model, lambda x: _hf_logits(model)(x, attention_mask=mask),
+                      lambda x: _hf_logits(compiled)(x, attention_mask=mask), ids)
+    assert backend.graphs[0].ctx.stats["backend"].counts == {"mixers.lowered": 0, "mixers.not_lowered": 2}
+    assert _fusions(backend.graphs[0]) == NO_FUSION
+    assert "tensor input(s) besides its parameters" in caplog.text
+    assert "backbone.layers.1.mixer" in caplog.text
 
-    def logits(m):
-        return lambda x: m(x, use_cache=False).logits
 
-    as_is = MambacBackend()
-    _check_parity(model, logits(model), logits(torch.compile(model, backend=as_is)), ids)
-    assert len(as_is.graphs) == 1
-    # HF's mixers are recognised from nn_module_stack; their math is plain PyTorch: nothing is fused
-    assert as_is.graphs[0].ctx.stats["backend"].counts == {"mixers.lowered": 0, "mixers.not_lowered": 2}
-    assert _fusions(as_is.graphs[0]) == NO_FUSION
-    # converted first (sharing HF's parameters), it lowers as under mambac.compile
-    converted = MambacBackend()
-    _check_parity(model, logits(model), torch.compile(convert(model), backend=converted), ids)
-    assert converted.graphs[0].ctx.stats["backend"].counts == {"mixers.lowered": 2, "mixers.not_lowered": 0}
-    assert _fusions(converted.graphs[0]) == dict(NO_FUSION, dt_prologue=2, d_skip=2, conv_silu=2, add_rmsnorm=2)
+def test_state_changing_calls_with_unused_results_survive_the_passes():
+    """dynamo records ``vmap``'s level counters (and grad-mode switches) as calls whose results
+    nobody reads; dead-code elimination keeps them, so a vmapped region runs as in eager."""
+    def f(x, w):
+        with torch.no_grad():
+            n = x.norm()
+        return torch.vmap(lambda a: (a * w).sum())(x).sin() + n
+
+    backend = MambacBackend()
+    x, w = torch.randn(4, 3), torch.randn(3)
+    torch.testing.assert_close(torch.compile(f, backend=backend)(x, w), f(x, w))
+    names = [getattr(n.target, "__name__", "") for n in backend.graphs[0].gm.graph.nodes]
+    assert {"_vmap_increment_nesting", "_vmap_decrement_nesting", "_set_grad_enabled"} <= set(names)
+
+
+def test_transformers_mamba1_mixer_with_attention_mask_runs_unlowered():
+    """HF's Mamba-1 mixer left as its own code (a mask reaches it) runs through the passes as in
+    eager, vmap included."""
+    from tests.convert.hf_models import hf_model
+
+    model = hf_model("mamba_lm")
+    ids = torch.randint(0, 37, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :2] = 0
+    backend = MambacBackend()
+    compiled = torch.compile(model, backend=backend)
+    _check_parity(model, lambda x: _hf_logits(model)(x, attention_mask=mask),
+                  lambda x: _hf_logits(compiled)(x, attention_mask=mask), ids)
+    assert backend.graphs[0].ctx.stats["backend"].counts.get("mixers.lowered", 0) == 0
+
+
+def test_transformers_mixer_conversion_failure_falls_back(monkeypatch, caplog):
+    import mambac.convert.hf as hf
+    from mambac.errors import MambacConfigError
+    from tests.convert.hf_models import hf_model
+
+    def refuse(mixer):
+        raise MambacConfigError("no such setting")
+
+    monkeypatch.setattr(hf, "convert_mixer", refuse)
+    model = hf_model("mamba2_lm_oddheads")
+    backend = MambacBackend()
+    with caplog.at_level("WARNING", logger="mambac.backend"):
+        _check_parity(model, _hf_logits(model), _hf_logits(torch.compile(model, backend=backend)),
+                      torch.randint(0, 37, (2, 8)))
+    assert backend.graphs[0].ctx.stats["backend"].counts == {"mixers.lowered": 0, "mixers.not_lowered": 2}
+    assert "mambac cannot convert it: no such setting" in caplog.text
+
+
+def test_transformers_graph_break_inside_a_mixer_runs_as_eager(monkeypatch):
+    """A graph break inside HF's mixer: no graph holds a whole mixer, nothing is swapped, and the
+    results equal eager."""
+    import transformers.models.mamba2.modeling_mamba2 as modeling
+    from tests.convert.hf_models import hf_model
+
+    masking = modeling.apply_mask_to_padding_states
+
+    def breaking(hidden_states, attention_mask):
+        torch._dynamo.graph_break()
+        return masking(hidden_states, attention_mask)
+
+    monkeypatch.setattr(modeling, "apply_mask_to_padding_states", breaking)
+    model = hf_model("mamba2_lm_groups")
+    backend = MambacBackend()
+    _check_parity(model, _hf_logits(model), _hf_logits(torch.compile(model, backend=backend)),
+                  torch.randint(0, 37, (2, 8)))
+    assert len(backend.graphs) > 1
+    assert all(g.ctx.stats["backend"].counts.get("mixers.lowered", 0) == 0 for g in backend.graphs)
+
+
+def test_hf_mixer_conversion_matches_the_mixer():
+    """convert_mixer: mambac's mixer on the HF mixer's own tensors computes what the HF mixer does."""
+    from mambac.convert.hf import convert_mixer
+    from tests.convert.hf_models import hf_model
+
+    for case in ("mamba_lm_quirks", "mamba2_lm_oddheads"):
+        hf_mixer = hf_model(case).backbone.layers[0].mixer
+        ours = convert_mixer(hf_mixer).model
+        u = torch.randn(2, 7, hf_mixer.hidden_size)
+        assert rel_err(ours(u), hf_mixer(u)) <= 1e-5, case
+        theirs = dict(hf_mixer.named_parameters())
+        assert all(p is theirs[name] for name, p in ours.named_parameters()), case
 
 
 @pytest.mark.parametrize("fake_inputs", [False, True])

@@ -21,6 +21,9 @@ a checkpoint never imports transformers.  How HF's (plain PyTorch) forward maps 
 * ``embeddings`` (HF) is ``embedding`` in mambac: the only renamed key.
 
 ``hidden_act`` other than ``"silu"`` has no mambac equivalent and is refused.
+
+``convert_mixer`` converts one live ``MambaMixer`` / ``Mamba2Mixer`` on its own, from its
+attributes (the ``torch.compile`` backend swaps HF mixers inside dynamo graphs with it).
 """
 from __future__ import annotations
 
@@ -158,3 +161,66 @@ def convert_backbone(model: nn.Module) -> Conversion:
 for _family, _mod in (("mamba", "Mamba"), ("mamba2", "Mamba2")):
     register_converter(f"transformers.models.{_family}.modeling_{_family}.{_mod}ForCausalLM", convert_causal_lm)
     register_converter(f"transformers.models.{_family}.modeling_{_family}.{_mod}Model", convert_backbone)
+
+
+# -- one mixer ----------------------------------------------------------------------------------------
+
+def _expand(mixer: nn.Module) -> int:
+    width, d_model = int(mixer.intermediate_size), int(mixer.hidden_size)
+    if width % d_model:
+        raise MambacConfigError(f"{type(mixer).__name__}: intermediate_size={width} is not a multiple of "
+                                f"hidden_size={d_model}; mambac's mixers take an integer expand.")
+    return width // d_model
+
+
+def _check_silu(mixer: nn.Module) -> None:
+    if getattr(mixer, "activation", "silu") != "silu":
+        raise MambacConfigError(f"{type(mixer).__name__}: hidden_act={mixer.activation!r}: mambac's Mamba "
+                                "blocks use SiLU only.")
+
+
+def _mixer_mamba1(mixer: nn.Module) -> nn.Module:
+    from mambac.models.mamba1 import Mamba
+    return build_on_meta(Mamba, d_model=int(mixer.hidden_size), d_state=int(mixer.ssm_state_size),
+                         d_conv=int(mixer.conv_kernel_size), expand=_expand(mixer), dt_rank=int(mixer.time_step_rank),
+                         conv_bias=mixer.conv1d.bias is not None, bias=mixer.in_proj.bias is not None,
+                         layer_idx=mixer.layer_idx)
+
+
+def _mixer_mamba2(mixer: nn.Module) -> nn.Module:
+    if mixer.num_heads * mixer.head_dim != mixer.intermediate_size:
+        raise MambacConfigError(f"Mamba2Mixer: num_heads*head_dim = {mixer.num_heads * mixer.head_dim} must equal "
+                                f"intermediate_size = {mixer.intermediate_size}.")
+    if mixer.num_heads % mixer.n_groups:
+        raise MambacConfigError(f"Mamba2Mixer: n_groups={mixer.n_groups} must divide num_heads={mixer.num_heads}.")
+    out = build_on_meta(Mamba2, d_model=int(mixer.hidden_size), d_state=int(mixer.ssm_state_size),
+                        d_conv=int(mixer.conv_kernel_size), expand=_expand(mixer), headdim=int(mixer.head_dim),
+                        ngroups=int(mixer.n_groups), rmsnorm=True, norm_before_gate=False,
+                        dt_limit=tuple(float(x) for x in mixer.time_step_limit), bias=mixer.in_proj.bias is not None,
+                        conv_bias=mixer.conv1d.bias is not None, chunk_size=int(mixer.chunk_size),
+                        layer_idx=mixer.layer_idx)
+    out.norm.eps = float(mixer.norm.variance_epsilon)
+    out.norm.group_size = int(getattr(mixer.norm, "group_size", mixer.norm.weight.shape[0]))
+    return out
+
+
+_MIXERS = {"MambaMixer": _mixer_mamba1, "Mamba2Mixer": _mixer_mamba2}
+
+
+def convert_mixer(mixer: nn.Module) -> Conversion:
+    """One live HF ``MambaMixer`` / ``Mamba2Mixer`` → mambac's ``Mamba`` / ``Mamba2`` holding the same
+    parameters, its settings read from the mixer's attributes (what ``torch.compile``'s backend
+    swaps in for each HF mixer of a dynamo graph).  An unsupported setting is a ``MambacConfigError``."""
+    build_mixer = _MIXERS.get(type(mixer).__name__)
+    if build_mixer is None:
+        raise MambacConfigError(f"{type(mixer).__name__} is not a transformers MambaMixer or Mamba2Mixer.")
+    _check_silu(mixer)
+    try:
+        out = build_mixer(mixer)
+    except AttributeError as exc:
+        raise MambacConfigError(f"transformers {type(mixer).__name__} lacks an attribute mambac reads ({exc}); "
+                                "is it a different transformers version?") from exc
+    source = dict(mixer.named_parameters(remove_duplicate=False))
+    source.update(mixer.named_buffers(remove_duplicate=False))
+    keys = adopt(out, source, candidates, what=f"{type(mixer).__name__} (transformers)", live=True)
+    return Conversion(out, keys, f"transformers.{type(mixer).__name__}")
