@@ -6,6 +6,8 @@ the Mamba-2 130M LM at batch 8 x 2048 under bf16 autocast, with remat none, full
     python benchmarks/bench_remat.py --budget-gib 4  # another budget for 'auto'
     python benchmarks/bench_remat.py --fit-peak      # 'auto' budget = 8 GiB minus what 'none' needs besides
                                                      # saved activations, so the peak itself aims at 8 GiB
+    python benchmarks/bench_remat.py --budget-scope step   # 'auto' budgets the whole step: 8 GiB covers
+                                                           # parameters, gradients and AdamW state too
     python benchmarks/bench_remat.py --tiny          # CPU: a tiny model and batch (checks the script)
 
 One row per mode: the budget, the saved-for-backward bytes mambac.memory predicts, the same bytes
@@ -55,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per mode")
     p.add_argument("--modes", default="none,full,auto")
+    p.add_argument("--budget-scope", default="activations", choices=("activations", "step"),
+                   help="memory_budget_scope of 'auto': the saved activations, or the whole step (plus "
+                        "parameters, gradients and AdamW state)")
     p.add_argument("--fit-peak", action="store_true",
                    help="CUDA: give 'auto' the budget minus what 'none' needs besides its saved activations "
                         "(its peak minus its measured saved bytes: weights, gradients, transients)")
@@ -93,7 +98,8 @@ def _step(compiled, ids, labels, device) -> None:
 def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) -> Row:
     """Compile for one remat mode, predict, measure one step's saved bytes, then time steps."""
     row = Row(mode=mode, budget=budget if mode == "auto" else None)
-    opts = dict(remat=mode, memory_budget=budget) if mode == "auto" else dict(remat=mode)
+    opts = dict(remat=mode, memory_budget=budget, memory_budget_scope=args.budget_scope) if mode == "auto" \
+        else dict(remat=mode)
     with _autocast(device):  # lowered under the autocast it runs with (its own region: see docs/memory.md)
         compiled = mambac.compile(model, example_inputs=(ids, labels), **opts)
         gm = compiled.program_for(ids, labels).gm

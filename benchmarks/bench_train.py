@@ -5,6 +5,7 @@ Usage, from the repository root:
     python benchmarks/bench_train.py                    # GPU: 130M LM, batch 8 x 2048, modes auto
     python benchmarks/bench_train.py --modes auto,reference --steps 20
     python benchmarks/bench_train.py --tiny --modes reference,triton   # CPU check (tiny LM, interpreter)
+    python benchmarks/bench_train.py --cuda-graphs      # GPU: each step replays captured CUDA graphs
 
 The model is ``mamba2-130m`` (d_model 768, 24 layers, vocab 50277 padded to 50288, d_state 128,
 headdim 64, expand 2, chunk 256), random weights, fp32 parameters, bf16 autocast on CUDA, AdamW
@@ -13,7 +14,10 @@ run: *cold* with empty MAMBAC_CACHE_DIR and TRITON_CACHE_DIR (generated sources,
 and Triton binaries all made anew) and *warm* with the caches the cold run left.  Each reports the
 time from ``mambac.compile`` to the end of the first optimizer step (compile, lower, autotune,
 first step), then times ``--steps`` steps after ``--warmup`` more: tokens/s and
-``torch.cuda.max_memory_allocated``.  With $OUT set, the results are also written there as JSON.
+``torch.cuda.max_memory_allocated`` (the JSON adds ``max_memory_reserved``).  ``--cuda-graphs``
+compiles with ``cuda_graphs=True``: the first step also warms up and captures, and the peak then
+leaves out the graphs' private memory pools, which the reserved figure includes.  With $OUT set,
+the results are also written there as JSON.
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ def child(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    lm = mambac.compile(model, kernels=args.mode)
+    lm = mambac.compile(model, kernels=args.mode, cuda_graphs=args.cuda_graphs)
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4, fused=cuda)
 
     def step() -> float:
@@ -84,8 +88,9 @@ def child(args: argparse.Namespace) -> dict:
             "torch": torch.__version__, "triton": _triton_version(), "first_step_s": round(first, 2),
             "tokens_per_s": round(args.batch * args.seqlen * args.steps / dt, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
             "first_loss": round(first_loss, 4), "last_loss": round(float(loss), 4),
-            "kernels_loaded": _kernels_loaded()}
+            "kernels_loaded": _kernels_loaded(), "cuda_graphs": args.cuda_graphs}
 
 
 def _kernels_loaded() -> list[str]:
@@ -106,6 +111,7 @@ def run_child(args: argparse.Namespace, mode: str, caches: dict) -> dict:
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--batch", str(args.batch),
            "--seqlen", str(args.seqlen), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--cuda-graphs"] if args.cuda_graphs else []
     env = dict(os.environ, **caches)
     if args.tiny:  # kernels='triton' then runs the generated kernels in Triton's interpreter
         env["TRITON_INTERPRET"] = "1"
@@ -129,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="tiny LM on the CPU (checks the script)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache run")
+    ap.add_argument("--cuda-graphs", action="store_true", help="compile with cuda_graphs=True (GPU only)")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds one measuring process may take")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="auto", help=argparse.SUPPRESS)
@@ -149,11 +156,13 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     head = next((r for r in rows if r["device"] != "-"), rows[0])
     print(f"\nbatch {args.batch} x seqlen {args.seqlen}, {args.steps} timed steps after {args.warmup} "
-          f"(+1 first) on {head['device']}, torch {head['torch']}, triton {head['triton']}")
-    print("| kernels | caches | compile + first step s | tokens/s | peak GiB |")
-    print("|---|---|---|---|---|")
+          f"(+1 first) on {head['device']}, torch {head['torch']}, triton {head['triton']}"
+          + (", CUDA graphs" if args.cuda_graphs else ""))
+    print("| kernels | caches | compile + first step s | tokens/s | peak GiB | reserved GiB |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['cache']} | {r['first_step_s']} | {r['tokens_per_s']:,.0f} | {r['peak_gib']} |")
+        print(f"| {r['mode']} | {r['cache']} | {r['first_step_s']} | {r['tokens_per_s']:,.0f} | {r['peak_gib']} "
+              f"| {r.get('reserved_gib')} |")
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_train.json").write_text(json.dumps(rows, indent=1))

@@ -138,6 +138,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         opts["remat"] = args.remat
     if args.memory_budget:
         opts["memory_budget"] = _parse_bytes(args.memory_budget)
+        opts["memory_budget_scope"] = args.memory_budget_scope
     programs = lower_all_ranks(model, _example_inputs(model, args.batch, args.seqlen), args.world_size, **opts)
     ranks = None if args.rank is None else [args.rank]
     sys.stdout.write(explain(programs, ranks, model))
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sequence-parallel", action="store_true")
     e.add_argument("--remat", choices=("none", "full", "auto"), default="none")
     e.add_argument("--memory-budget", default="", help="bytes per rank for remat=auto, e.g. 8GiB")
+    e.add_argument("--memory-budget-scope", default="activations", choices=("activations", "step"),
+                   help="what the budget covers: saved activations, or the step (plus parameters, gradients, "
+                        "AdamW state)")
     e.add_argument("--batch", type=int, default=2)
     e.add_argument("--seqlen", type=int, default=64)
     e.set_defaults(fn=cmd_explain)

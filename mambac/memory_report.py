@@ -101,6 +101,9 @@ def _summary(gm: torch.fx.GraphModule) -> str:
              f"  without remat : {human(plan.baseline):>11}   = {model.total_formula(model.kept())}",
              f"  with this plan: {human(plan.predicted):>11}   = {model.total_formula(model.kept(plan.regions))}"]
     if plan.budget is not None:
+        if plan.fixed:
+            lines.append(f"  memory_budget : {human(plan.budget + plan.fixed):>11}   (scope 'step': "
+                         f"{human(plan.fixed)} for parameters, gradients and AdamW's moments)")
         lines.append(f"  budget        : {human(plan.budget):>11}   ({'met' if plan.predicted <= plan.budget else 'NOT met'}"
                      f"; the least reachable is {human(plan.minimum or 0)})")
     return "\n".join(lines) + "\n"

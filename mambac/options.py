@@ -16,6 +16,7 @@ REMAT_MODES = ("none", "full", "auto")
 KERNEL_MODES = ("auto", "triton", "reference")
 OUTPUT_MODES = ("full", "sharded")
 CP_INPUT_MODES = ("full", "local")
+BUDGET_SCOPES = ("activations", "step")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,9 @@ class CompileOptions:
 
     world_size: ranks the program is lowered for; tp/dp/cp: the mesh (tp defaults to
     world_size // (dp*cp)); sequence_parallel: Megatron sequence parallelism over tp; remat and
-    memory_budget: rematerialisation; kernels: 'auto' (Triton on CUDA, reference ops on CPU),
+    memory_budget: rematerialisation (memory_budget_scope: what the budget covers, 'activations' --
+    the bytes autograd saves for backward -- or 'step': those plus the rank's parameters, their
+    gradients and AdamW's two fp32 moments); kernels: 'auto' (Triton on CUDA, reference ops on CPU),
     'triton' or 'reference'; output: 'full' (gathered on every rank) or 'sharded'; verify/dump_dir/
     disable_passes override the MAMBAC_VERIFY/MAMBAC_DUMP_DIR/MAMBAC_DISABLE_PASSES knobs;
     plan: per-module overrides of the default Megatron layout, ``{module path: kind}`` (kinds in
@@ -34,7 +37,11 @@ class CompileOptions:
     (each rank passes only its own piece of the sequence, in rank order, the first ranks one token
     longer when cp does not divide the length).  ``plan="auto"`` (``mambac.compile`` only) lets
     the layout planner choose tp, dp, cp, sequence_parallel, remat and memory_budget for
-    device_memory (bytes per device), batch and seqlen, which stay recorded here.
+    device_memory (bytes per device), batch and seqlen, which stay recorded here.  cuda_graphs: on
+    CUDA, capture this rank's program as CUDA graphs (forward and backward) once per static input
+    signature and replay them on later calls with that signature (``mambac.runtime.cuda_graphs``;
+    parameters are read in place, so optimizer steps between calls are seen); needs CUDA parameters
+    and, on several ranks, NCCL.
     """
 
     world_size: int = 1
@@ -44,6 +51,7 @@ class CompileOptions:
     sequence_parallel: bool = False
     remat: str = "none"
     memory_budget: int | None = None
+    memory_budget_scope: str = "activations"
     kernels: str = "auto"
     output: str = "full"
     verify: bool | None = None
@@ -55,6 +63,7 @@ class CompileOptions:
     device_memory: int | None = None
     batch: int | None = None
     seqlen: int | None = None
+    cuda_graphs: bool = False
 
     @classmethod
     def create(cls, **kwargs) -> "CompileOptions":
@@ -88,6 +97,7 @@ class CompileOptions:
         _choice("kernels", self.kernels, KERNEL_MODES)
         _choice("output", self.output, OUTPUT_MODES)
         _choice("cp_inputs", self.cp_inputs, CP_INPUT_MODES)
+        _choice("memory_budget_scope", self.memory_budget_scope, BUDGET_SCOPES)
         if self.sequence_parallel and tp == 1:
             raise MambacOptionsError("sequence_parallel=True needs tensor parallelism (tp > 1): it shards the "
                                      "residual stream over the tp ranks. Set tp or drop sequence_parallel.")
@@ -95,6 +105,8 @@ class CompileOptions:
             raise MambacOptionsError("memory_budget is only used with remat='auto'; set remat='auto' or drop it.")
         if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
             raise MambacOptionsError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}.")
+        if not isinstance(self.cuda_graphs, bool):
+            raise MambacOptionsError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
         for name in ("device_memory", "batch", "seqlen"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -88,6 +88,8 @@ class RematPlan:
     baseline: int            # saved-for-backward bytes without remat
     predicted: int           # ... with these regions recomputed
     minimum: int | None      # the least any plan of this pass reaches
+    fixed: int = 0           # memory_budget_scope='step': parameters, gradients and AdamW state,
+                             # taken off memory_budget before ``budget`` (what activations may keep)
 
 
 @dataclass(frozen=True)
@@ -270,15 +272,33 @@ def _regions(choice) -> tuple[RegionSpec, ...]:
     return tuple(r for o in choice for r in o.regions)
 
 
-def _too_small(budget: int, minimum: int, model: MemoryModel) -> MambacOptionsError:
+ADAMW_STATE_BYTES = 8   # per trainable parameter element: AdamW's two fp32 moments
+
+
+def training_state_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes of this rank's parameters, their gradients and AdamW's moments (what
+    ``memory_budget_scope='step'`` counts besides the saved activations)."""
+    total = 0
+    for p in gm.parameters():   # each tensor once (tied weights too)
+        total += p.numel() * p.element_size()
+        if p.requires_grad:
+            total += p.numel() * (p.element_size() + ADAMW_STATE_BYTES)
+    return total
+
+
+def _too_small(budget: int, minimum: int, model: MemoryModel, fixed: int = 0) -> MambacOptionsError:
     b, l = model.example
+    step = (f" (memory_budget_scope='step': {fixed} bytes ({human(fixed)}) of it go to the parameters, their "
+            "gradients and AdamW's moments)") if fixed else ""
     return MambacOptionsError(
-        f"memory_budget={budget} bytes ({human(budget)}) cannot be met for this program at B={b}, L={l}: "
-        f"even with every block and the head recomputed, autograd keeps {minimum} bytes ({human(minimum)}) "
-        f"for backward. Set memory_budget to at least {minimum}, or lower the batch size or sequence length.")
+        f"memory_budget={budget + fixed} bytes ({human(budget + fixed)}) cannot be met for this program at B={b}, "
+        f"L={l}{step}: even with every block and the head recomputed, autograd keeps {minimum} bytes "
+        f"({human(minimum)}) for backward. Set memory_budget to at least {minimum + fixed}, or lower the batch size "
+        "or sequence length.")
 
 
-def choose_auto(gm: torch.fx.GraphModule, model: MemoryModel, budget: int | None) -> tuple[tuple[RegionSpec, ...], int]:
+def choose_auto(gm: torch.fx.GraphModule, model: MemoryModel, budget: int | None,
+                fixed: int = 0) -> tuple[tuple[RegionSpec, ...], int]:
     """The cheapest plan under ``budget`` (without one: every cheap region, no matmul recomputed),
     and the least any plan keeps."""
     per_segment = [segment_options(gm, model, s) for s in find_segments(gm)]
@@ -288,7 +308,7 @@ def choose_auto(gm: torch.fx.GraphModule, model: MemoryModel, budget: int | None
                  for opts in per_segment]
         return _regions(cheap), minimum
     if minimum > budget:
-        raise _too_small(budget, minimum, model)
+        raise _too_small(budget, minimum, model, fixed)
     for _, _, choice in sorted(knapsack(per_segment), key=lambda t: (t[1], t[0])):
         regions = _regions(choice)
         if model.predict(regions) <= budget:  # exact check: savings need not add up across segments
@@ -305,17 +325,18 @@ def choose_full(gm: torch.fx.GraphModule) -> tuple[RegionSpec, ...]:
 # the pass
 # ---------------------------------------------------------------------------------------------
 
-def make_plan(gm: torch.fx.GraphModule, mode: str, budget: int | None) -> RematPlan:
-    """Analyse ``gm`` and choose its regions (does not change the graph)."""
+def make_plan(gm: torch.fx.GraphModule, mode: str, budget: int | None, fixed: int = 0) -> RematPlan:
+    """Analyse ``gm`` and choose its regions (does not change the graph); ``budget`` is what the
+    saved activations may keep, ``fixed`` what the budget's scope spent before them."""
     model = analyse(gm)
     if mode == "none":
         regions, minimum = (), None
     elif mode == "full":
         regions, minimum = choose_full(gm), None
     else:
-        regions, minimum = choose_auto(gm, model, budget)
+        regions, minimum = choose_auto(gm, model, budget, fixed)
     return RematPlan(mode=mode, budget=budget, regions=regions, model=model, baseline=model.predict(),
-                     predicted=model.predict(regions), minimum=minimum)
+                     predicted=model.predict(regions), minimum=minimum, fixed=fixed)
 
 
 def apply_plan(gm: torch.fx.GraphModule, plan: RematPlan, verify: bool = False) -> None:
@@ -339,13 +360,29 @@ def apply_plan(gm: torch.fx.GraphModule, plan: RematPlan, verify: bool = False) 
             check_graph(gm.get_submodule(spec.name).body, f"{NAME}:{spec.name}")
 
 
+def activation_budget(gm: torch.fx.GraphModule, opts) -> tuple[int | None, int]:
+    """(bytes the saved activations may keep, bytes the budget's scope spends before them)."""
+    budget = getattr(opts, "memory_budget", None)
+    if budget is None or getattr(opts, "memory_budget_scope", "activations") != "step":
+        return budget, 0
+    fixed = training_state_bytes(gm)
+    if fixed >= budget:
+        raise MambacOptionsError(
+            f"memory_budget={budget} bytes ({human(budget)}) with memory_budget_scope='step' leaves nothing for "
+            f"activations: this rank's parameters, their gradients and AdamW's moments alone take {fixed} bytes "
+            f"({human(fixed)}). Raise memory_budget, shard the model over more ranks (tp), or use "
+            "memory_budget_scope='activations' to budget the saved activations alone.")
+    return budget - fixed, fixed
+
+
 def plan_remat(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     """Plan and insert recompute regions for ``ctx.options.remat`` ('none' leaves ``gm`` as it is)."""
     opts = ctx.options
     mode = getattr(opts, "remat", "none")
     if mode == "none":
         return gm
-    plan = make_plan(gm, mode, getattr(opts, "memory_budget", None))
+    budget, fixed = activation_budget(gm, opts)
+    plan = make_plan(gm, mode, budget, fixed)
     apply_plan(gm, plan, ctx.verify)
     gm.meta[MEMORY_PLAN] = plan
     stats = ctx.stats_for(NAME)

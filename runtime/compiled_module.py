@@ -13,6 +13,10 @@ tensors (both are collective calls: every rank calls them).  With dp > 1 the gra
 parameters are summed over the data-parallel ranks by ``DistributedDataParallel``.  Without a
 process group the programs can still be lowered and printed for every rank
 (``program_for_rank``); running one raises an error saying how to launch.
+
+With ``cuda_graphs=True`` every call runs through ``mambac.runtime.cuda_graphs``: this rank's
+program is captured as CUDA graphs once per static input signature and replayed afterwards
+(``cuda_graph_stats`` counts captures and replays).
 """
 from __future__ import annotations
 
@@ -76,10 +80,12 @@ class CompiledModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, options: CompileOptions,
                  check_inputs: Callable[[list[Any]], None] | None = None) -> None:
         super().__init__()
+        from mambac.runtime.cuda_graphs import CudaGraphs, check_supported
+        check_supported(model, options)  # before any process group or local copy is made
         d = self.__dict__
         d.update(_mambac_model=model, _mambac_options=options, _mambac_programs={},
                  _mambac_check_inputs=check_inputs, _mambac_mesh=None, _mambac_setup=None, _mambac_ddp=None,
-                 _mambac_current=None)
+                 _mambac_current=None, _mambac_graphs=CudaGraphs() if options.cuda_graphs else None)
         target = model
         if options.world_size > 1:
             from mambac.runtime.mesh import make_mesh, offline_spec
@@ -127,6 +133,13 @@ class CompiledModule(torch.nn.Module):
         """This process's ``RankMesh`` (process groups), or None without a process group."""
         return self.__dict__["_mambac_mesh"]
 
+    @property
+    def cuda_graph_stats(self):
+        """``CudaGraphStats`` (signatures captured, calls replayed, calls run eagerly) with
+        ``cuda_graphs=True``; None without."""
+        graphs = self.__dict__["_mambac_graphs"]
+        return graphs.stats if graphs is not None else None
+
     def program_for(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower (or fetch) the program for this call's signature without running it."""
         values = bind_inputs(self.original_module, args, kwargs)
@@ -164,9 +177,16 @@ class CompiledModule(torch.nn.Module):
 
     def _run_values(self, values) -> Any:
         program = self.__dict__["_mambac_current"] or self.program_for(*values)
-        from mambac.ops import use_kernels
-        with use_kernels(self.options.kernels):  # generated kernels or reference ops
-            return program.gm(*values)
+        return self._execute(program, list(values))
+
+    def _execute(self, program: Lowered, values: list[Any]) -> Any:
+        """Run ``program`` on bound inputs: replayed CUDA graphs with ``cuda_graphs=True``, else eagerly."""
+        def run(vals: list[Any]) -> Any:
+            from mambac.ops import use_kernels
+            with use_kernels(self.options.kernels):  # generated kernels or reference ops
+                return program.gm(*vals)
+        graphs = self.__dict__["_mambac_graphs"]
+        return run(values) if graphs is None else graphs.run(program, values, run)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = bind_inputs(self.original_module, args, kwargs)
@@ -176,9 +196,7 @@ class CompiledModule(torch.nn.Module):
         if self.options.world_size > 1:
             return self._forward_distributed(values)
         program = self.program_for(*args, **kwargs)
-        from mambac.ops import use_kernels
-        with use_kernels(self.options.kernels):  # generated kernels or reference ops
-            return program.gm(*values)
+        return self._execute(program, values)
 
     def _forward_distributed(self, values: list[Any]) -> Any:
         if self.mesh is None:

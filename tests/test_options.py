@@ -18,6 +18,8 @@ def test_unknown_option_suggests_the_closest():
     (dict(memory_budget=10), "only used with remat='auto'"),
     (dict(kernels="cuda"), "kernels must be one of"),
     (dict(world_size=2, sequence_parallel=True, tp=1, dp=2), "needs tensor parallelism"),
+    (dict(cuda_graphs="yes"), "cuda_graphs must be True or False"),
+    (dict(cuda_graphs=1), "cuda_graphs must be True or False"),
 ])
 def test_contradictions_are_rejected(kwargs, match):
     with pytest.raises(MambacOptionsError, match=match):
@@ -27,6 +29,7 @@ def test_contradictions_are_rejected(kwargs, match):
 def test_defaults():
     opts = CompileOptions.create()
     assert (opts.world_size, opts.tp, opts.dp, opts.cp, opts.remat) == (1, 1, 1, 1, "none")
+    assert opts.cuda_graphs is False
 
 
 def test_errors_come_before_any_state_change():

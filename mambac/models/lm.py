@@ -116,9 +116,14 @@ class MambaLMHeadModel(nn.Module):
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Clear error for token ids outside the vocabulary (before any kernel or collective runs)."""
+    """Clear error for token ids outside the vocabulary (before any kernel or collective runs).
+
+    One host read of (min, max) per call: on CUDA that is the call's only synchronisation."""
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise MambacInputError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}.")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        raise MambacInputError(f"input_ids hold ids outside [0, {vocab_size}): min {int(input_ids.min())}, "
-                               f"max {int(input_ids.max())}. Check the tokenizer matches the model's vocabulary.")
+    if not input_ids.numel():
+        return
+    lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
+    if lo < 0 or hi >= vocab_size:
+        raise MambacInputError(f"input_ids hold ids outside [0, {vocab_size}): min {lo}, max {hi}. "
+                               "Check the tokenizer matches the model's vocabulary.")

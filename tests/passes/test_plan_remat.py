@@ -98,6 +98,35 @@ def test_impossible_budget_names_the_least_feasible_one():
     assert plan_of(ok, ids, labels).predicted == least
 
 
+def test_step_scope_counts_parameters_gradients_and_adamw_state():
+    """memory_budget_scope='step': the budget covers the rank's parameters (fp32), their gradients
+    and AdamW's two fp32 moments besides the activations, so a step budget of that much more
+    gives the same plan as an activations budget; too small a step budget is a clear error."""
+    from mambac.passes.plan_remat import training_state_bytes
+    model, (ids, labels) = tiny_lm("mamba2"), batch()
+    plain = mambac.compile(model, example_inputs=(ids, labels))
+    gm = plain.program_for(ids, labels).gm
+    fixed = training_state_bytes(gm)
+    assert fixed == sum(p.numel() for p in model.parameters()) * (4 + 4 + 8)
+    free = make_plan(gm, "auto", None)
+    budget = (free.minimum + free.baseline) // 2
+    acts = plan_of(mambac.compile(model, remat="auto", memory_budget=budget, example_inputs=(ids, labels)),
+                   ids, labels)
+    step_plan = plan_of(mambac.compile(model, remat="auto", memory_budget=budget + fixed,
+                                       memory_budget_scope="step", example_inputs=(ids, labels)), ids, labels)
+    assert [r.nodes for r in step_plan.regions] == [r.nodes for r in acts.regions]
+    assert (step_plan.budget, step_plan.fixed) == (budget, fixed)
+    with pytest.raises(MambacOptionsError, match="leaves nothing for activations"):
+        mambac.compile(model, remat="auto", memory_budget=fixed, memory_budget_scope="step",
+                       example_inputs=(ids, labels))
+    with pytest.raises(MambacOptionsError, match=rf"at least {free.minimum + fixed}\b.*"):
+        mambac.compile(model, remat="auto", memory_budget=fixed + 1000, memory_budget_scope="step",
+                       example_inputs=(ids, labels))
+    with pytest.raises(MambacOptionsError, match="memory_budget_scope"):
+        mambac.compile(model, remat="auto", memory_budget=budget, memory_budget_scope="peak",
+                       example_inputs=(ids, labels))
+
+
 def test_generous_budget_changes_nothing():
     model, (ids, labels) = tiny_lm("mamba2"), batch()
     plain = mambac.compile(model, example_inputs=(ids, labels))
