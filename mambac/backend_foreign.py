@@ -66,8 +66,9 @@ def _dotted(path: str) -> str:
     return dotted(path)
 
 
-def find_regions(gm: torch.fx.GraphModule) -> dict[str, _Region]:
-    """HF mixer regions of ``gm`` by dynamo module path, in graph order."""
+def find_regions(gm: torch.fx.GraphModule, classes: Sequence[str] = HF_MIXERS) -> dict[str, _Region]:
+    """Regions of the modules of ``classes`` (HF mixers by default) in ``gm`` by dynamo module
+    path, in graph order."""
     regions: dict[str, _Region] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
@@ -75,7 +76,7 @@ def find_regions(gm: torch.fx.GraphModule) -> dict[str, _Region]:
         prefix = {}
         for key, (path, cls) in (node.meta.get("nn_module_stack") or {}).items():
             prefix[key] = (path, cls)
-            if _qualname(cls) in HF_MIXERS:
+            if _qualname(cls) in classes:
                 region = regions.setdefault(path, _Region(path, _qualname(cls), dict(prefix)))
                 region.nodes.append(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -161,16 +162,20 @@ def _param_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], regio
     return params, others
 
 
+def check_no_break_inside(gm: torch.fx.GraphModule, module: nn.Module) -> None:
+    """``_Refused`` when dynamo broke the graph inside ``module``'s forward."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    if reason is not None and reason.graph_break and code is not None:
+        if any(f.filename == code.co_filename and f.name == code.co_name for f in reason.user_stack or ()):
+            raise _Refused("dynamo broke the graph inside its forward, so the graph holds part of it")
+
+
 def _check_region(gm: torch.fx.GraphModule, region: _Region, mixer: nn.Module, params: dict,
                   others: list) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(hidden_states input, output node) of a region that is the mixer's whole forward, else
     ``_Refused`` with the reason."""
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    forward = inspect.unwrap(type(mixer).forward)
-    code = getattr(forward, "__code__", None)
-    if reason is not None and reason.graph_break and code is not None:
-        if any(f.filename == code.co_filename and f.name == code.co_name for f in reason.user_stack or ()):
-            raise _Refused("dynamo broke the graph inside its forward, so the graph holds part of it")
+    check_no_break_inside(gm, mixer)
     if len(others) != 1:
         names = ", ".join(n.name for n in others) or "none"
         raise _Refused(f"its forward got {len(others)} tensor input(s) besides its parameters ({names}); only "
@@ -280,7 +285,9 @@ def _swap_one(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: _
 
 def swap_foreign_mixers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     """Replace every HF mixer region of ``gm`` that can be replaced safely by mambac's captured
-    mixer (module docstring); returns how many were replaced.  The others stay and are logged."""
+    mixer (module docstring), and the HF Mamba RMSNorms of a graph that holds mixers by
+    ``add_rmsnorm`` (``mambac.backend_norms``); returns how many regions were replaced.  The
+    mixers that stay are logged."""
     regions = find_regions(gm)
     if not regions:
         return 0
@@ -296,6 +303,9 @@ def swap_foreign_mixers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
         except _Refused as why:
             log.warning("mambac backend: %s at '%s' is not lowered and runs as its own PyTorch code: %s.",
                         region.cls.rsplit(".", 1)[-1], _dotted(region.raw_path), why)
+    if f_locals:  # after the mixers: a mixer region's input is the norm's output node
+        from mambac.backend_norms import swap_foreign_norms
+        swapped += swap_foreign_norms(gm, example_inputs, f_locals)
     if swapped:
         gm.graph.lint()
         gm.recompile()

@@ -1,0 +1,77 @@
+"""transformers' Mamba / Mamba-2 RMSNorm modules inside a dynamo graph, as ``mambac::add_rmsnorm``.
+
+HF's ``MambaRMSNorm`` / ``Mamba2RMSNorm`` (the blocks' norms and ``norm_f``) trace into six
+elementwise nodes (cast, square, mean, rsqrt, two products).  Each region whose module is reachable
+from the frame dynamo compiles, whose only inputs are its weight and one tensor, whose value leaves
+it once, and whose input, weight and output share one dtype (so HF's casts to fp32 and back are
+exactly what the op does) becomes one ``add_rmsnorm(x, None, weight, eps)`` node, i.e. the
+generated RMSNorm kernels on CUDA.  The residual add before it stays a separate node: HF's blocks
+cast the sum (``.to(weight.dtype)``) and keep it as the next residual, and whether those casts are
+no-ops is only known at run time (autocast), so ``fuse_ssm`` does not fold it.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from mambac.backend_foreign import (HF_MIXERS, _dotted, _param_inputs, _qualname, _Refused, _Region, _size_like,
+                                    _value, check_no_break_inside, find_regions, resolve)
+from mambac.ir import SOURCE, SourceInfo
+
+log = logging.getLogger("mambac.backend")
+
+HF_NORMS = ("transformers.models.mamba.modeling_mamba.MambaRMSNorm",
+            "transformers.models.mamba2.modeling_mamba2.Mamba2RMSNorm")
+
+
+def _swap_norm(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: _Region, f_locals: dict) -> None:
+    norm = resolve(region.raw_path, f_locals)
+    if norm is None or _qualname(type(norm)) != region.cls:
+        raise _Refused("the module at that path is not reachable from the frame dynamo compiled")
+    check_no_break_inside(gm, norm)
+    params, others = _param_inputs(gm, example_inputs, region, norm)
+    if set(params) != {"weight"} or len(others) != 1:
+        raise _Refused("its inputs are not its weight and one tensor")
+    inside = set(region.nodes)
+    outs = [n for n in region.nodes if any(u not in inside for u in n.users) and not _size_like(_value(n))]
+    if len(outs) != 1:
+        raise _Refused(f"{len(outs)} of its values are used outside it; exactly one is supported")
+    hidden, out, weight = others[0], outs[0], params["weight"]
+    h, y, w = _value(hidden), _value(out), _value(weight)
+    if not all(isinstance(t, torch.Tensor) for t in (h, y, w)) or h.shape != y.shape \
+            or tuple(w.shape) != (h.shape[-1],):
+        raise _Refused("its input, weight and output do not have the shapes of an RMSNorm")
+    if not h.dtype == w.dtype == y.dtype:
+        raise _Refused(f"its input ({h.dtype}), weight ({w.dtype}) and output ({y.dtype}) dtypes differ")
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    graph = gm.graph
+    with graph.inserting_before(out):
+        op = graph.call_function(torch.ops.mambac.add_rmsnorm.default, (hidden, None, weight, eps, False))
+        result = graph.call_function(operator.getitem, (op, 0))
+    for node in (op, result):
+        node.meta["nn_module_stack"] = dict(region.stack)
+        node.meta[SOURCE] = SourceInfo(module_path=_dotted(region.raw_path), module_type=type(norm).__name__)
+    out.replace_all_uses_with(result)
+    for node in reversed(list(graph.nodes)):
+        if node in inside and not node.users:
+            graph.erase_node(node)
+
+
+def swap_foreign_norms(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], f_locals: dict) -> int:
+    """Replace every HF Mamba RMSNorm region outside a mixer by ``add_rmsnorm``; returns how many.
+    Regions that cannot be replaced stay HF's code (logged at info level: they are only slower)."""
+    swapped = 0
+    for region in find_regions(gm, HF_NORMS).values():
+        if any(_qualname(cls) in HF_MIXERS for _, cls in region.stack.values()):
+            continue
+        try:
+            _swap_norm(gm, example_inputs, region, f_locals)
+            swapped += 1
+        except _Refused as why:
+            log.info("mambac backend: %s at '%s' stays HF's code: %s.", region.cls.rsplit(".", 1)[-1],
+                     _dotted(region.raw_path), why)
+    return swapped
