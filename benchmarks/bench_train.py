@@ -17,7 +17,9 @@ first step), then times ``--steps`` steps after ``--warmup`` more: tokens/s and
 ``torch.cuda.max_memory_allocated`` (the JSON adds ``max_memory_reserved``).  ``--cuda-graphs``
 compiles with ``cuda_graphs=True``: the first step also warms up and captures, and the peak then
 leaves out the graphs' private memory pools, which the reserved figure includes.  With $OUT set,
-the results are also written there as JSON.
+the results are also written there as JSON.  ``--profile`` then profiles three more steps and
+prints where their GPU time went (``step_profile.py``: kernel time by kind, and the step's wall
+time against it).
 """
 from __future__ import annotations
 
@@ -84,7 +86,11 @@ def child(args: argparse.Namespace) -> dict:
         loss = step()
     sync()
     dt = time.perf_counter() - t1
-    return {"mode": args.mode, "device": torch.cuda.get_device_name() if cuda else "cpu",
+    prof = None
+    if args.profile and cuda:
+        from step_profile import profile_steps
+        prof = profile_steps(step, 3)
+    return {"profile": prof, "mode": args.mode, "device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__, "triton": _triton_version(), "first_step_s": round(first, 2),
             "tokens_per_s": round(args.batch * args.seqlen * args.steps / dt, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
@@ -112,6 +118,7 @@ def run_child(args: argparse.Namespace, mode: str, caches: dict) -> dict:
            "--seqlen", str(args.seqlen), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--cuda-graphs"] if args.cuda_graphs else []
+    cmd += ["--profile"] if args.profile else []
     env = dict(os.environ, **caches)
     if args.tiny:  # kernels='triton' then runs the generated kernels in Triton's interpreter
         env["TRITON_INTERPRET"] = "1"
@@ -136,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny LM on the CPU (checks the script)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache run")
     ap.add_argument("--cuda-graphs", action="store_true", help="compile with cuda_graphs=True (GPU only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU: after the timed steps, profile 3 more and print kernel time by kind (step_profile.py)")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds one measuring process may take")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="auto", help=argparse.SUPPRESS)
@@ -163,6 +172,11 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['mode']} | {r['cache']} | {r['first_step_s']} | {r['tokens_per_s']:,.0f} | {r['peak_gib']} "
               f"| {r.get('reserved_gib')} |")
+    for r in rows:
+        if r.get("profile"):
+            from step_profile import print_profile
+            print(f"\n{r['mode']}, {r['cache']} caches:", end="")
+            print_profile(r["profile"])
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_train.json").write_text(json.dumps(rows, indent=1))

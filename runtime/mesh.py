@@ -51,12 +51,25 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     atexit.register(_shut_down)  # the group mambac made is mambac's to close: no backend threads left at exit
 
 
+EXIT_WAIT_S = 15.0  # how long a rank waits at exit for the others before closing the group anyway
+
+
 def _shut_down() -> None:
-    """Close the process group at interpreter exit (a live gloo/NCCL group can abort the process as
-    its threads are torn down)."""
+    """Close the process group at interpreter exit.  A live gloo/NCCL group can abort the process
+    as its threads are torn down, and so can one rank closing its connections while another still
+    uses them; so the ranks first meet at the group's store (at most ``EXIT_WAIT_S``: a rank that
+    died or left early must not turn exit into a hang), then each closes its group."""
     try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"mambac/exit/{dist.get_rank()}", "1")
+            store.wait([f"mambac/exit/{r}" for r in range(dist.get_world_size())],
+                       datetime.timedelta(seconds=EXIT_WAIT_S))
+        except Exception:  # a peer gone, or the store's host left first: close anyway
+            pass
+        dist.destroy_process_group()
     except Exception:  # exiting anyway; a peer that already left must not turn exit into a crash
         pass
 
