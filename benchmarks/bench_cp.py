@@ -4,26 +4,36 @@ At the ANCHORS S1 shape split in 4 (b4, 1024 of the 4096 tokens per rank, h48 p6
 chunk 256, bf16), times what one cp rank runs:
 
 - local scan: ``mambac::ssd`` on its piece from a zero state (what a rank would run anyway);
-- cp: the same scan, plus the summaries (cumulative log-decay), the prefix combine of every rank's
-  (final state, decay) summary and the output correction ``y0 + exp(cum) C S_in`` with the z gate,
-  i.e. the body of ``mambac.runtime.context_parallel.cp_ssd`` for the last rank (the one with the
-  most to combine), with the all-gather replaced by the gathered tensor it would return (the
-  exchange itself is communication, not compute, and is not timed).
+- cp rank (state pass from S_in): ``cp_ssd_fused``, the form ``cp_ssd`` runs on generated kernels,
+  for the last rank (the one with the most to combine): the plain SSD whose state pass runs twice,
+  from zero (the summary) and from the incoming state, with the exchange given (gather: the
+  gathered tensor with this rank's summary in its slot; scatter: this rank's slot of the gradient);
+- cp, zero-start + correction: the earlier form (``cp_ssd_corrected``: zero-start scan, cumulative
+  log-decay, prefix combine, output correction ``y0 + exp(cum) C S_in`` with the z gate), the
+  all-gather replaced by the tensor it would return.
+The exchange itself is communication, not compute, and is not timed.
 
-Prints forward and forward+backward medians (``triton.testing.do_bench``) and the overhead ratio.
-Usage: ``python benchmarks/bench_cp.py`` on a CUDA machine; ``--tiny`` runs a small case on the CPU
-(reference ops, plain timers) to check the script.
+Prints forward and forward+backward medians (``triton.testing.do_bench``) and the overhead ratios,
+then (CUDA) profiled GPU kernel time.  Usage: ``python benchmarks/bench_cp.py`` on a CUDA machine;
+``--tiny`` runs a small case on the CPU with every generated kernel under the Triton interpreter
+(plain timers) to check the script; its times mean nothing.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import sys
 import time
+
+if "--tiny" in sys.argv:  # before anything imports Triton: the generated kernels run in its interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
 from mambac.ops import use_kernels
 from mambac.runtime import context_parallel as cpf
+from mambac.runtime.cp_ssd_fused import Exchange, cp_ssd_fused
 
 S1_SPLIT4 = dict(b=4, l=1024, h=48, p=64, n=128, g=1, q=256, world=4)
 TINY = dict(b=1, l=64, h=4, p=8, n=8, g=1, q=16, world=4)
@@ -48,8 +58,39 @@ def local_scan(t: dict, q: int):
     return y
 
 
-def cp_rank(t: dict, q: int, world: int, gathered: torch.Tensor):
-    """The last cp rank's ``cp_ssd`` body, the exchange's result given."""
+def exchange_for(rank: int, world: int, gathered: torch.Tensor) -> Exchange:
+    """What the all-gathers would return to ``rank``: the other ranks' rows of ``gathered`` (random
+    summaries, widened rows for the forward, their first h*p*n entries for the backward's state
+    gradients) with this rank's own row copied into its slot, as NCCL writes it.  The buffers are
+    made once per (rank, world), outside the timed calls."""
+    key = (rank, world, id(gathered))
+    if key in _EXCHANGES:
+        return _EXCHANGES[key]
+    bufs: dict[int, torch.Tensor] = {}
+
+    def gather(mine: torch.Tensor) -> torch.Tensor:
+        k = mine.shape[1]
+        if k not in bufs:
+            bufs[k] = gathered[:world, :, :k].clone()
+        bufs[k][rank].copy_(mine)
+        return bufs[k]
+    _EXCHANGES[key] = Exchange(gather=gather, rank=rank)
+    return _EXCHANGES[key]
+
+
+_EXCHANGES: dict[tuple, Exchange] = {}
+
+
+def cp_rank(t: dict, q: int, world: int, gathered: torch.Tensor, rank: int | None = None):
+    """Cp rank ``rank`` (default: the last) running ``cp_ssd`` on generated kernels, the
+    exchange's results given."""
+    ex = exchange_for(world - 1 if rank is None else rank, world, gathered)
+    return cp_ssd_fused(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"], q, True, 0.0,
+                        float("inf"), ex)
+
+
+def cp_rank_corrected(t: dict, q: int, world: int, gathered: torch.Tensor):
+    """The last cp rank's zero-start + correction body, the exchange's result given."""
     ct = torch.float32
     y0, local = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"], None, q,
                                      True, 0.0, float("inf"))
@@ -62,6 +103,15 @@ def cp_rank(t: dict, q: int, world: int, gathered: torch.Tensor):
     y = cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])
     final = local.to(ct) + torch.exp(log_decay)[..., None, None] * s_in
     return y, final
+
+
+def _rank_form(rank: int):
+    return lambda t, q, world, gathered: cp_rank(t, q, world, gathered, rank)
+
+
+FORMS = (("local scan", None),) + tuple(
+    (f"cp rank {r} of 4 (state pass from S_in)", _rank_form(r)) for r in range(4)) + (
+    ("cp rank 3 of 4, zero-start + correction", cp_rank_corrected),)
 
 
 _OPS_TABLE = False   # --ops: print the profiler's table of ops per timed body
@@ -89,26 +139,60 @@ def gpu_time(fn, reps: int = 20) -> tuple[float, dict[str, float]]:
     return sum(per_name.values()), per_name
 
 
-def _reference(fn):
-    """``fn`` with the generated kernels off (the PyTorch forms)."""
-    def run():
-        with use_kernels("reference"):
-            return fn()
-    return run
-
-
 def timer(device: str):
     if device == "cuda":
         import triton.testing
         return lambda fn: triton.testing.do_bench(fn, warmup=30, rep=200) * 1e3   # µs
 
-    def cpu(fn, reps: int = 5):
+    def cpu(fn, reps: int = 2):
         fn()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         return (time.perf_counter() - t0) / reps * 1e6
     return cpu
+
+
+def _bodies(t: dict, s: dict, gathered: torch.Tensor) -> dict:
+    """Each timed form as a no-argument call."""
+    q, w = s["q"], s["world"]
+    return {name: (lambda: local_scan(t, q)) if fn is None else (lambda fn=fn: fn(t, q, w, gathered))
+            for name, fn in FORMS}
+
+
+def _forward_pieces(t: dict, s: dict, gathered: torch.Tensor, bench) -> dict:
+    """Forward time of each piece of the cp rank's extra work, both forms."""
+    from mambac.codegen.ssd_kernels import prepare, run_chunk_state, run_state_pass
+    from mambac.codegen.cp_combine_kernels import weighted_rows
+    from mambac.runtime.cp_ssd_fused import chunk_totals, prefix_weights, with_initial_state
+    ct, inf = torch.float32, float("inf")
+    pr = prepare(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"], None, s["q"], True, 0.0, inf)
+    states, _, cs = run_chunk_state(pr)
+    _, f_local = run_state_pass(pr, states, cs)
+    last, hpn = s["world"] - 1, s["h"] * s["p"] * s["n"]
+    weights = prefix_weights(gathered[..., hpn:].contiguous(), last)
+
+    def combine():
+        return weighted_rows(gathered[:last], weights, hpn).view_as(f_local)
+    s_in = combine()
+    y0, local = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"],
+                                     None, s["q"], True, 0.0, inf)
+    cum = cpf.ssd_summaries(t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)
+    return {
+        "state pass from S_in": bench(lambda: run_state_pass(with_initial_state(pr, s_in), states, cs)),
+        "total decay from cs": bench(lambda: chunk_totals(pr, cs).sum(-1)),
+        "prefix combine (last rank)": bench(combine),
+        "old: summaries (cumulative log-decay)": bench(lambda: cpf.ssd_summaries(
+            t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)),
+        "old: correction (+ z gate)": bench(lambda: cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])),
+    }
+
+
+def _check(t: dict, s: dict, gathered: torch.Tensor) -> float:
+    """Rank 0 of a 1-rank split (nothing comes in) must reproduce the plain scan."""
+    y_ref = local_scan(t, s["q"])
+    y_cp, _ = cp_rank(t, s["q"], 1, gathered)
+    return ((y_cp.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     global _OPS_TABLE
     _OPS_TABLE = args.ops
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("the CPU run needs the Triton interpreter: pass --tiny (it sets TRITON_INTERPRET=1)")
     s = TINY if device == "cpu" else S1_SPLIT4
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     t = inputs(s, device, dtype)
@@ -126,70 +212,58 @@ def main(argv: list[str] | None = None) -> int:
     gathered = torch.randn(s["world"], *per_rank, device=device) * 0.1
     dy = torch.randn(s["b"], s["l"], s["h"], s["p"], device=device, dtype=dtype)
     bench = timer(device)
-    rows = {}
-    with use_kernels("auto"):
-        # correctness of the timed body: rank 0 of a 1-rank split equals the plain scan
-        y_ref = local_scan(t, s["q"])
-        y_cp, _ = cp_rank(t, s["q"], 1, gathered[:0])
-        err = ((y_cp.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
-        params = [v for v in t.values()]
+    params = list(t.values())
 
-        def fwd_bwd(fn):
-            def run():
-                out = fn()
-                out = out[0] if isinstance(out, tuple) else out
-                torch.autograd.grad(out, params, dy, allow_unused=True)
-            return run
+    def fwd_bwd(fn):
+        def run():
+            out = fn()
+            out = out[0] if isinstance(out, tuple) else out
+            torch.autograd.grad(out, params, dy, allow_unused=True)
+        return run
 
+    with use_kernels("triton" if device == "cpu" else "auto"):
+        err = _check(t, s, gathered)
+        bodies = _bodies(t, s, gathered)
+        rows = {}
         with torch.no_grad():
-            rows["fwd"] = (bench(lambda: local_scan(t, s["q"])), bench(lambda: cp_rank(t, s["q"], s["world"], gathered)))
-        rows["fwd+bwd"] = (bench(fwd_bwd(lambda: local_scan(t, s["q"]))),
-                           bench(fwd_bwd(lambda: cp_rank(t, s["q"], s["world"], gathered))))
-        with torch.no_grad():  # forward time of each piece of the cp rank's extra work
-            ct = torch.float32
-            y0, local = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"],
-                                             None, s["q"], True, 0.0, float("inf"))
-            cum = cpf.ssd_summaries(t["dt"], t["A"], t["dt_bias"], True, 0.0, float("inf"), ct)
-            states, decays = cpf._unpack(gathered, (local, cum[:, -1]))
-            s_in = cpf.incoming_state(states, decays, s["world"] - 1)
-            parts = {
-                "scan without z": bench(lambda: torch.ops.mambac.ssd(
-                    t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"], None, s["q"], True, 0.0,
-                    float("inf"))),
-                "summaries (cumulative log-decay)": bench(lambda: cpf.ssd_summaries(
-                    t["dt"], t["A"], t["dt_bias"], True, 0.0, float("inf"), ct)),
-                "summaries, PyTorch form": bench(_reference(lambda: cpf.ssd_summaries(
-                    t["dt"], t["A"], t["dt_bias"], True, 0.0, float("inf"), ct))),
-                "prefix combine": bench(lambda: cpf.incoming_state(states, decays, s["world"] - 1)),
-                "correction (+ z gate)": bench(lambda: cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])),
-            }
-        graphed = {}
-        kernels = {}
+            rows["fwd"] = {k: bench(fn) for k, fn in bodies.items()}
+        rows["fwd+bwd"] = {k: bench(fwd_bwd(fn)) for k, fn in bodies.items()}
+        with torch.no_grad():
+            parts = _forward_pieces(t, s, gathered, bench)
+        graphed, kernels = {}, {}
         if device == "cuda":  # the GPU's own work, without Python's launch cost: profiled kernel time
-            for key, fn in (("local scan", lambda: local_scan(t, s["q"])),
-                            ("cp rank", lambda: cp_rank(t, s["q"], s["world"], gathered))):
+            for key, fn in bodies.items():
                 for kind, body in (("fwd", fn), ("fwd+bwd", fwd_bwd(fn))):
                     with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
                         graphed[kind, key], kernels[kind, key] = gpu_time(body)
-    name = "S1 split in 4 (b4 l1024 h48 p64 n128 g1)" if device == "cuda" else "tiny (CPU)"
-    print(f"context-parallel SSD overhead, {name}, {dtype}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
+    _report(device, dtype, err, rows, parts, graphed, kernels)
+    return 0
+
+
+def _report(device, dtype, err, rows, parts, graphed, kernels) -> None:
+    name = "S1 split in 4 (b4 l1024 h48 p64 n128 g1)" if device == "cuda" else "tiny (CPU, Triton interpreter)"
+    print(f"context-parallel SSD overhead, {name}, {dtype}, device "
+          f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
     print(f"check: zero incoming state reproduces the scan, rel err {err:.1e}")
-    print(f"| pass | local scan µs | cp rank µs | extra µs | extra / local scan |")
-    print(f"|---|---|---|---|---|")
-    for k, (base, cp) in rows.items():
-        print(f"| {k} | {base:.1f} | {cp:.1f} | {cp - base:.1f} | {100 * (cp - base) / base:.1f}% |")
+    print("| pass | form | local scan µs | cp rank µs | extra µs | extra / local scan |")
+    print("|---|---|---|---|---|---|")
+    for kind, times in rows.items():
+        base = times["local scan"]
+        for form, cp in times.items():
+            if form != "local scan":
+                print(f"| {kind} | {form} | {base:.1f} | {cp:.1f} | {cp - base:.1f} | {100 * (cp - base) / base:.1f}% |")
     print("forward pieces of the cp rank (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
     for kind in ("fwd", "fwd+bwd"):
         if (kind, "local scan") not in graphed:
             continue
-        base, cp = graphed[kind, "local scan"], graphed[kind, "cp rank"]
-        extra = f"{cp - base:.1f} µs, {100 * (cp - base) / base:.1f}%" if isinstance(cp, float) and \
-            isinstance(base, float) else "-"
-        print(f"{kind}, GPU kernel time only (µs): local scan {base:.1f}, cp rank {cp:.1f}, extra {extra}")
-        extra_kernels = {k: v - kernels[kind, "local scan"].get(k, 0.0) for k, v in kernels[kind, "cp rank"].items()}
-        top = sorted(((v, k) for k, v in extra_kernels.items() if v > 0.5), reverse=True)[:8]
-        print(f"  kernels the cp rank adds ({kind}, µs per call): " + "; ".join(f"{k[:60]} {v:.1f}" for v, k in top))
-    return 0
+        base = graphed[kind, "local scan"]
+        for form, _ in FORMS[1:]:
+            cp = graphed[kind, form]
+            print(f"{kind}, GPU kernel time only (µs), {form}: local scan {base:.1f}, cp rank {cp:.1f}, "
+                  f"extra {cp - base:.1f} µs, {100 * (cp - base) / base:.1f}%")
+            extra = {k: v - kernels[kind, "local scan"].get(k, 0.0) for k, v in kernels[kind, form].items()}
+            top = sorted(((v, k) for k, v in extra.items() if v > 0.5), reverse=True)[:8]
+            print("  kernels it adds (µs per call): " + "; ".join(f"{k[:60]} {v:.1f}" for v, k in top))
 
 
 if __name__ == "__main__":

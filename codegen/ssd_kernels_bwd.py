@@ -184,16 +184,28 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
         dfinal = torch.zeros(d.b, d.h, d.p, d.n, device=x.device, dtype=torch.float32)
     dst = run_dstate(pr, dyv, saved.cs)
     dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
+    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot)
+    return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+            None if D is None else dD.to(D.dtype), None if z is None else dz.to(z.dtype),
+            None if dt_bias is None else dbias.to(dt_bias.dtype),
+            None if initial_state is None else dinit.to(initial_state.dtype))
+
+
+def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Tensor,
+                           dtot: Tensor) -> tuple[Optional[Tensor], ...]:
+    """The launches after the reverse state passing, given the gated dy, the gradient of the state
+    leaving each chunk and the chunks' total-decay gradient parts: (dx, ddt, dA, dB, dC, dD,
+    ddt_bias), dx in x's dtype, the others fp32, None where the region has no D / dt_bias.
+    A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``."""
+    d = pr.dims
     dx, ddtd, dd = run_dx(pr, dyv, saved, dsout)
     dC, *c_side = run_dbc(pr, "c", dyv, saved, saved.sin)
     dB, *b_side = run_dbc(pr, "b", dyv, saved, dsout)
     ddt, da, dbias = run_dt_backward(pr, saved, ddtd, tuple(c_side), tuple(b_side), dtot)
-    dA = da.view(d.b, d.h, d.nc).sum((0, 2)).to(A.dtype)
-    dD = None if D is None else dd.sum((0, 1, 2)).to(D.dtype)
-    dbias = None if dt_bias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2)).to(dt_bias.dtype)
-    return (dx, ddt.to(dt.dtype), dA, dB.to(B.dtype), dC.to(C.dtype), dD,
-            None if z is None else dz.to(z.dtype), dbias,
-            None if initial_state is None else dinit.to(initial_state.dtype))
+    dA = da.view(d.b, d.h, d.nc).sum((0, 2))
+    dD = None if pr.D is None else dd.sum((0, 1, 2))
+    dbias = None if dbias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2))
+    return dx, ddt, dA, dB, dC, dD, dbias
 
 
 class _SSDFunction(torch.autograd.Function):

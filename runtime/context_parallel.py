@@ -12,8 +12,12 @@ ops that look back along the sequence need what the earlier ranks saw:
   of its piece (fp32).  One all-gather of these summaries (size independent of L) and a local
   exclusive prefix combine
   ``S_in(r) = sum_{j<r} exp(ld_{j+1} + ... + ld_{r-1}) S_j`` give rank r its incoming state.
-  SSD then corrects its zero-start output, y += exp(cum_t) C_t S_in (a matmul of the piece's C with
-  the state, cheaper than a scan); the other scans run a second pass of the piece from ``S_in``
+  SSD on generated kernels (``cp_ssd_fused`` in ``cp_ssd_fused.py``) is the plain SSD of the piece
+  from ``S_in`` with the exchange inside it: only its state pass runs twice (from zero for the
+  summary, then from ``S_in``), and its reverse state pass twice in the backward (once on the
+  last rank).  SSD elsewhere
+  (PyTorch, float64) corrects its zero-start output, y += exp(cum_t) C_t S_in
+  (``cp_ssd_corrected``); the other scans run a second pass of the piece from ``S_in``
   (exact by construction: it is the op itself, with its initial state; it doubles their compute).
   Mamba-3 carries angle, ssm state, last key and last value: ``_mamba3_incoming`` composes them
   (angles add, keys and states rotate by the incoming angle, the pair before a piece's first step
@@ -22,7 +26,9 @@ ops that look back along the sequence need what the earlier ranks saw:
 Every exchange is ``mambac.all_gather_rs``: gather forward, reduce-scatter backward, which is the
 right gradient when each rank uses the gathered pieces differently (the gradient for rank j's
 piece is the sum of what every rank's use of it contributed), so autograd runs backward through
-the same exchange in reverse.  Each form returns what its op returns, for this rank's piece:
+the same exchange in reverse.  (``cp_ssd_fused`` instead all-gathers twice, inside its forward and
+its backward: the summaries, then every rank's incoming-state gradient, from which each rank sums
+what the later ranks send back to it.)  Each form returns what its op returns, for this rank's piece:
 the output and this rank's final state (the last rank's is the whole sequence's final state).
 """
 from __future__ import annotations
@@ -146,6 +152,33 @@ def cp_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[T
            rank: int, world: int, group: str) -> tuple[Tensor, Tensor]:
     """SSD of this rank's piece (x (b, l_r, h, p)); the incoming state comes from the earlier ranks.
 
+    Where generated kernels may run, the piece is the plain SSD from its incoming state with the
+    exchange inside it (``cp_ssd_fused``: one extra state pass forward, one backward).  Otherwise
+    (PyTorch / float64) ``cp_ssd_corrected``."""
+    if mambac.ops.kernels_enabled(x.device):
+        from mambac.runtime import cp_ssd_fused as fused
+        if fused.supported(x, dt, A, B, C, D, z, dt_bias):
+            return fused.cp_ssd_fused(x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max,
+                                      summary_exchange(rank, world, group))
+    return cp_ssd_corrected(x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max,
+                            rank, world, group)
+
+
+def summary_exchange(rank: int, world: int, group: str):
+    """The all-gather of per-rank (b, k) fp32 rows over ``group``, as the ``Exchange`` that
+    ``cp_ssd_fused`` calls in the middle of its forward (summaries) and backward (incoming-state
+    gradients)."""
+    from mambac.runtime.collectives import _gather
+    from mambac.runtime.cp_ssd_fused import Exchange
+    return Exchange(gather=lambda t: _gather(t.unsqueeze(0).contiguous(), 0, world, rank, world, group),
+                    rank=rank)
+
+
+def cp_ssd_corrected(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                     z: Optional[Tensor], dt_bias: Optional[Tensor], chunk_size: int, dt_softplus: bool,
+                     dt_min: float, dt_max: float, rank: int, world: int, group: str) -> tuple[Tensor, Tensor]:
+    """``cp_ssd`` as a zero-start scan plus an output correction (any dtype, autograd through ops).
+
     One zero-start scan gives the output y0 (D skip included, ungated) and the final state; the
     incoming state S_in then enters linearly: y = y0 + exp(cum_t) C_t S_in (gated by z after), and
     final = final0 + exp(total) S_in.  No second scan."""
@@ -268,8 +301,9 @@ CP_FORMS = (cp_causal_conv1d, cp_ssd, cp_selective_scan, cp_mamba3_siso, cp_mamb
 
 
 def exchange_bytes(form, inputs: tuple, outputs: tuple, world: int) -> int:
-    """Bytes one call of a context-parallel form gathers (forward; its backward reduce-scatters as
-    many): every rank's carried state (the form's outputs after the first), plus the total decays
+    """Bytes one call of a context-parallel form gathers (forward; its backward moves as many
+    again: a reduce-scatter, or for SSD on generated kernels an all-gather of the states'
+    gradients): every rank's carried state (the form's outputs after the first), plus the total decays
     of the scans (and Mamba-3's boundary weights), fp32 except the conv halo (the input's dtype)."""
     carried = sum(t.numel() for t in outputs[1:])
     if form is cp_causal_conv1d:

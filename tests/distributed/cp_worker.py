@@ -5,14 +5,22 @@ shorter than the conv halo), each rank builds the same full inputs from one seed
 context-parallel form on its piece, and compares with the single-process op on the full
 sequence: its output piece, and the input gradients of a fixed random linear loss (each rank's
 gradients are summed over the ranks, as each holds the part its own loss put there).
+
+With ``MAMBAC_TEST_CP_KERNELS=triton`` (and ``TRITON_INTERPRET=1``) only SSD runs, its context-parallel
+form on the generated kernels under the interpreter (``cp_ssd_fused``, the exchange inside the
+autograd Function), the single-process reference in PyTorch; each result records the autograd node
+that produced the output, so the test can tell which form ran.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
+from mambac.ops import use_kernels
 from mambac.runtime import context_parallel as cp
 from tests.helpers import rel_err
 
@@ -99,7 +107,8 @@ def check(op: str, L: int, seed: int) -> dict:
     ref = full_op(op, ref_in)
     w = torch.randn(ref.shape, generator=_g(seed + 1))
     (ref * w).sum().backward()
-    out, *finals = cp_op(op, cp_in, L, rank, world, group)
+    with use_kernels(KERNELS) if KERNELS else contextlib.nullcontext():
+        out, *finals = cp_op(op, cp_in, L, rank, world, group)
     full_finals = full_op(op, inputs(op, L, seed), all_outputs=True)[1:]
     final_err = max(rel_err(a, b) for a, b in zip(finals, full_finals)) if rank == world - 1 else 0.0
     (out * cp.local_piece(w, d, rank, world)).sum().backward()
@@ -109,14 +118,18 @@ def check(op: str, L: int, seed: int) -> dict:
         dist.all_reduce(gsum)
         grads[k] = rel_err(gsum, ref_in[k].grad)
     return {"out": rel_err(out, cp.local_piece(ref, d, rank, world)), "grad": max(grads.values()), "final": final_err,
-            "worst": max(grads, key=grads.get)}
+            "worst": max(grads, key=grads.get), "node": out.grad_fn.name()}
+
+
+KERNELS = os.environ.get("MAMBAC_TEST_CP_KERNELS", "")   # "" (the default mode) or "triton"
 
 
 def scenario_cp(world: int) -> dict:
     torch.set_default_dtype(torch.float32)
     lengths = (8, 11) if world == 2 else (16, 9)   # multiple of world x chunk (4), and not
     res = {}
-    for op in ("conv", "selective_scan", "ssd", "mamba3_siso", "mamba3_mimo"):
+    ops = ("ssd",) if KERNELS else ("conv", "selective_scan", "ssd", "mamba3_siso", "mamba3_mimo")
+    for op in ops:
         for i, L in enumerate(lengths):
             res[f"{op}/{L}"] = check(op, L, seed=10 * i + len(op))
     return res

@@ -2,7 +2,8 @@
 Mamba-1, Mamba-2 and Mamba-3 (SISO, MIMO) scans give each rank its piece of the single-process
 output, the input gradients summed over the ranks equal the single-process ones, and the last
 rank's final states are the sequence's (fp32, <= 1e-5 relative), at lengths that are and are not
-multiples of ranks x chunk."""
+multiples of ranks x chunk; and SSD's generated-kernel form (``cp_ssd`` with kernels="triton" under the
+Triton interpreter) the same way."""
 import pytest
 
 from tests.distributed.harness import run_ranks
@@ -23,4 +24,19 @@ def test_matches_single_process(ranks, op):
     for r, res in enumerate(results):
         for L in lengths:
             got = res[f"{op}/{L}"]
+            assert max(got["out"], got["grad"], got["final"]) <= TOL, (world, r, L, got)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ssd_on_generated_kernels_matches_single_process(world, tmp_path):
+    """``cp_ssd`` with kernels="triton" under the interpreter: the generated-kernel form with the
+    exchange inside one autograd Function (``cp_ssd_fused``) on real gloo ranks."""
+    env = {"TRITON_INTERPRET": "1", "MAMBAC_TEST_CP_KERNELS": "triton", "MAMBAC_CACHE_DIR": str(tmp_path)}
+    results = run_ranks(world, "cp", timeout=180, env=env)
+    lengths = (8, 11) if world == 2 else (16, 9)
+    for r, res in enumerate(results):
+        assert set(res) == {f"ssd/{L}" for L in lengths}, res.keys()
+        for L in lengths:
+            got = res[f"ssd/{L}"]
+            assert got["node"] == "CPSSDFunctionBackward", got
             assert max(got["out"], got["grad"], got["final"]) <= TOL, (world, r, L, got)
