@@ -3,7 +3,10 @@
 At the ANCHORS S1 shape split in 4 (b4, 1024 of the 4096 tokens per rank, h48 p64 n128 g1,
 chunk 256, bf16), times what one cp rank runs:
 
-- local scan: ``mambac::ssd`` on its piece from a zero state (what a rank would run anyway);
+- local scan: the SSD of its piece from a zero state on the generated kernels, keeping the
+  forward's intermediates for the backward as the cp form does (``ssd_triton``: what a rank
+  would run anyway); the ``mambac::ssd`` op itself, whose backward recomputes the chunk states
+  instead of keeping them, is a second baseline row ("local scan, op");
 - cp rank (state pass from S_in): ``cp_ssd_fused``, the form ``cp_ssd`` runs on generated kernels,
   for the last rank (the one with the most to combine): the plain SSD whose state pass runs twice,
   from zero (the summary) and from the incoming state, with the exchange given (gather: the
@@ -53,6 +56,13 @@ def inputs(s: dict, device: str, dtype: torch.dtype) -> dict:
 
 
 def local_scan(t: dict, q: int):
+    from mambac.codegen.ssd_kernels_bwd import ssd_triton
+    if t["x"].is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return ssd_triton(t["x"], t["dt"], t["A"], t["B"], t["C"], q, t["D"], t["z"], t["dt_bias"], None, True)[0]
+    return local_op(t, q)
+
+
+def local_op(t: dict, q: int):
     y, final = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"], None, q,
                                     True, 0.0, float("inf"))
     return y
@@ -61,8 +71,9 @@ def local_scan(t: dict, q: int):
 def exchange_for(rank: int, world: int, gathered: torch.Tensor) -> Exchange:
     """What the all-gathers would return to ``rank``: the other ranks' rows of ``gathered`` (random
     summaries, widened rows for the forward, their first h*p*n entries for the backward's state
-    gradients) with this rank's own row copied into its slot, as NCCL writes it.  The buffers are
-    made once per (rank, world), outside the timed calls."""
+    gradients).  The rank's own slot, which NCCL would fill, is left as it is: the form never reads
+    it back (copying it in is communication, not compute).  The buffers are made once per (rank,
+    world), outside the timed calls."""
     key = (rank, world, id(gathered))
     if key in _EXCHANGES:
         return _EXCHANGES[key]
@@ -72,8 +83,7 @@ def exchange_for(rank: int, world: int, gathered: torch.Tensor) -> Exchange:
         k = mine.shape[1]
         if k not in bufs:
             bufs[k] = gathered[:world, :, :k].clone()
-        bufs[k][rank].copy_(mine)
-        return bufs[k]
+        return bufs[k]   # this rank's own slot is never read back, so it is not copied in
     _EXCHANGES[key] = Exchange(gather=gather, rank=rank)
     return _EXCHANGES[key]
 
@@ -109,7 +119,7 @@ def _rank_form(rank: int):
     return lambda t, q, world, gathered: cp_rank(t, q, world, gathered, rank)
 
 
-FORMS = (("local scan", None),) + tuple(
+FORMS = (("local scan", None), ("local scan, op", lambda t, q, world, gathered: local_op(t, q))) + tuple(
     (f"cp rank {r} of 4 (state pass from S_in)", _rank_form(r)) for r in range(4)) + (
     ("cp rank 3 of 4, zero-start + correction", cp_rank_corrected),)
 
@@ -264,6 +274,16 @@ def _report(device, dtype, err, rows, parts, graphed, kernels) -> None:
             extra = {k: v - kernels[kind, "local scan"].get(k, 0.0) for k, v in kernels[kind, form].items()}
             top = sorted(((v, k) for k, v in extra.items() if v > 0.5), reverse=True)[:8]
             print("  kernels it adds (µs per call): " + "; ".join(f"{k[:60]} {v:.1f}" for v, k in top))
+    ranks = [f for f, _ in FORMS if f.startswith("cp rank") and "correction" not in f]
+    for kind in ("fwd", "fwd+bwd"):
+        if (kind, "local scan") not in graphed:
+            continue
+        worst = max(ranks, key=lambda f: graphed[kind, f])
+        for base_name in ("local scan", "local scan, op"):
+            base = graphed[kind, base_name]
+            extra = graphed[kind, worst] - base
+            print(f"summary, {kind}, GPU kernel time: worst rank ({worst}) extra {extra:.1f} µs = "
+                  f"{100 * extra / base:.1f}% of '{base_name}' ({base:.1f} µs)")
 
 
 if __name__ == "__main__":
