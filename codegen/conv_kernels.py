@@ -17,6 +17,7 @@ from mambac.codegen import autotune, render_conv
 from mambac.codegen.conv_norm_ir import ConvRegion
 from mambac.codegen.kernel_ir import TileConfig
 from mambac.codegen.ssd_launch import Family, cdiv, run_family
+from mambac.ops.causal_conv1d import output_like
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,11 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_stat
     r = region_of(weight, bias, initial_state, activation)
     b, dim, l = x.shape
     dims = ConvDims(b, dim, l, r.width)
-    y = torch.empty(b, dim, l, device=x.device, dtype=x.dtype)
+    y = output_like(x)
     final = torch.empty(b, dim, r.width - 1, device=x.device, dtype=x.dtype)
     w = weight.contiguous()
     head = [x, w] + ([bias] if r.has_bias else []) + ([initial_state] if r.has_initial_state else [])
-    tail = _strides(x) + (_strides(initial_state) if r.has_initial_state else [])
+    tail = _strides(x) + (_strides(initial_state) if r.has_initial_state else []) + _strides(y)
 
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(l, cfg.block_k), cdiv(dim, cfg.block_m), b), head + [y, final, l, dim] + tail,
@@ -93,7 +94,7 @@ def conv_backward(dy: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, wei
     dims = ConvDims(b, dim, l, width)
     if dy is None:
         dy = torch.zeros_like(x)
-    dx = torch.empty(b, dim, l, device=x.device, dtype=x.dtype)
+    dx = output_like(x)
     dinit = None
     if initial_state is not None:
         dinit = (torch.empty(b, dim, width - 1, device=x.device, dtype=initial_state.dtype) if r.has_initial_state
@@ -108,7 +109,7 @@ def conv_backward(dy: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, wei
         dw = torch.empty(b, nt, dim, width, device=x.device, dtype=torch.float32)
         db = torch.empty(b, nt, dim, device=x.device, dtype=torch.float32) if r.has_bias else None
         args = head + [dw] + ([db] if db is not None else []) + [l, dim, nt] + _strides(x)
-        args += (_strides(initial_state) if r.has_initial_state else []) + _strides(dy)
+        args += (_strides(initial_state) if r.has_initial_state else []) + _strides(dy) + _strides(dx)
         kern.launch((nt, cdiv(dim, cfg.block_m), b), args, dict(BD=cfg.block_m, BL=cfg.block_k),
                     cfg.num_warps, cfg.num_stages)
         return dw, db

@@ -1,8 +1,8 @@
 """Renderers of the causal conv1d kernels (forward and backward), specialised to a ``ConvRegion``.
 
 Conventions: x (batch, dim, seqlen) and dy are read through (batch, dim, seq) strides; weight is
-dense (dim, width); initial_state through its strides; y, dx, final_state, d initial_state are
-dense.  The taps are unrolled (``width`` is in the region), so the source reads like the formula.
+dense (dim, width); initial_state through its strides; y and dx are written through their strides
+(laid out as x is: ``ops.causal_conv1d.output_like``), final_state and d initial_state are dense.  The taps are unrolled (``width`` is in the region), so the source reads like the formula.
 Let ``full = cat(initial_state, x)`` along time (``initial_state`` is zero when absent):
 
     y_t   = act(bias + sum_k w_k full_{t+k})            forward, one tile of (channels x steps)
@@ -48,10 +48,11 @@ def _args(r: ConvRegion, backward: bool) -> list[str]:
         args += (["dinit_ptr"] if r.has_initial_state else []) + ["dw_ptr"]
         args += (["db_ptr"] if r.has_bias else []) + ["L", "D", "NT", "sxb", "sxd", "sxl"]
         args += ["sib", "sid", "sil"] if r.has_initial_state else []
-        args += ["sgb", "sgd", "sgl"]
+        args += ["sgb", "sgd", "sgl", "sob", "sod", "sol"]
     else:
         args += ["y_ptr", "final_ptr", "L", "D", "sxb", "sxd", "sxl"]
         args += ["sib", "sid", "sil"] if r.has_initial_state else []
+        args += ["sob", "sod", "sol"]
     return args + ["BD: tl.constexpr", "BL: tl.constexpr"]
 
 
@@ -79,7 +80,7 @@ def render_forward(r: ConvRegion) -> str:
             w.line(f"acc += w_{k}[:, None] * ({_full_load(r, f'offs_t + {k}')})")
         if r.silu:
             w.line("acc = acc * tl.sigmoid(acc)")
-        w.line("tl.store(y_ptr + (bi64 * D + offs_d[:, None]) * L + offs_t[None, :], "
+        w.line("tl.store(y_ptr + bi64 * sob + offs_d[:, None] * sod + offs_t[None, :] * sol, "
                "acc.to(y_ptr.dtype.element_ty), mask=m_d[:, None] & m_t[None, :])")
         if wm1 > 0:
             w.comment("final state: the last width-1 entries of full, from the first step tile")
@@ -126,8 +127,8 @@ def render_backward(r: ConvRegion) -> str:
             w.line(f"dfull += tl.load(dfinal_ptr + (bi64 * D + offs_d[:, None]) * {wm1} + j[None, :], "
                    f"mask=m_d[:, None] & (j >= 0)[None, :] & (j < {wm1})[None, :], other=0.0).to(tl.float32)")
         w.line(f"pos = offs_m - {wm1}")
-        w.line("tl.store(dx_ptr + (bi64 * D + offs_d[:, None]) * L + pos[None, :], dfull.to(dx_ptr.dtype.element_ty), "
-               "mask=m_d[:, None] & (pos >= 0)[None, :] & (pos < L)[None, :])")
+        w.line("tl.store(dx_ptr + bi64 * sob + offs_d[:, None] * sod + pos[None, :] * sol, "
+               "dfull.to(dx_ptr.dtype.element_ty), mask=m_d[:, None] & (pos >= 0)[None, :] & (pos < L)[None, :])")
         if r.has_initial_state and wm1 > 0:
             w.line(f"tl.store(dinit_ptr + (bi64 * D + offs_d[:, None]) * {wm1} + offs_m[None, :], "
                    f"dfull.to(dinit_ptr.dtype.element_ty), mask=m_d[:, None] & (offs_m < {wm1})[None, :])")

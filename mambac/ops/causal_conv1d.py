@@ -41,16 +41,26 @@ def reference(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: 
     return y.to(x.dtype), final.to(x.dtype)
 
 
+def output_like(x: Tensor) -> Tensor:
+    """An empty (b, d, L) tensor laid out as ``x`` is: channels innermost when x's channels are
+    (a transposed (b, L, d) tensor, as the mixers pass it: y then transposes back to a dense
+    (b, L, d) and the backward's dx to the dense gradient of the projection), else dense (b, d, L)."""
+    b, d, l = x.shape
+    if d > 1 and l > 1 and x.stride(1) == 1:
+        return x.new_empty(b, l, d).transpose(1, 2)
+    return x.new_empty(b, d, l)
+
+
 @torch.library.custom_op("mambac::causal_conv1d", mutates_args=())
 def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                      activation: str) -> tuple[Tensor, Tensor]:
     y, final = reference(x, weight, bias, initial_state, activation)
-    return y.contiguous(), final.contiguous()
+    return output_like(x).copy_(y), final.contiguous()
 
 
 @causal_conv1d_op.register_fake
 def _fake(x, weight, bias, initial_state, activation):
-    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[1], weight.shape[1] - 1)
+    return output_like(x), x.new_empty(x.shape[0], x.shape[1], weight.shape[1] - 1)
 
 
 register_recompute_autograd(causal_conv1d_op, reference, n_outputs=2)

@@ -39,16 +39,19 @@ def _check(name, got, want, dtype):
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize("width,bias,init,act,dtype", [
-    (4, True, True, "silu", torch.float32),
-    (3, False, False, "none", torch.float32),
-    (4, True, False, "silu", torch.bfloat16),
-    (2, False, True, "none", torch.bfloat16),
+@pytest.mark.parametrize("width,bias,init,act,dtype,channels_last", [
+    (4, True, True, "silu", torch.float32, True),
+    (3, False, False, "none", torch.float32, False),
+    (4, True, False, "silu", torch.bfloat16, True),
+    (2, False, True, "none", torch.bfloat16, False),
 ])
-def test_causal_conv1d_kernels(width, bias, init, act, dtype):
+def test_causal_conv1d_kernels(width, bias, init, act, dtype, channels_last):
     gen = torch.Generator().manual_seed(width)
     b, d, l = 2, 19, 23  # channels and steps not multiples of the tile
-    x = torch.randn(b, l, d, generator=gen).to(dtype).transpose(1, 2)  # strided, as in the mixer
+    if channels_last:  # a transposed (b, L, d) tensor, as the mixers pass it
+        x = torch.randn(b, l, d, generator=gen).to(dtype).transpose(1, 2)
+    else:
+        x = torch.randn(b, d, l, generator=gen).to(dtype)
     w = torch.randn(d, width, generator=gen)
     bb = torch.randn(d, generator=gen) if bias else None
     ii = torch.randn(b, d, width - 1, generator=gen).to(dtype) if init else None
@@ -59,7 +62,9 @@ def test_causal_conv1d_kernels(width, bias, init, act, dtype):
     assert y.dtype == dtype and final.dtype == dtype and final.shape == f_ref.shape
     _check("y", y, y_ref, dtype)
     _check("final_state", final, f_ref, dtype)
+    assert y.stride() == x.stride()  # laid out as x: channels innermost stay innermost
     grads = conv_kernels.conv_backward(gy, gf, x, w, bb, ii, act)
+    assert grads[0].stride() == x.stride()
     for name, g, r in zip(("dx", "dweight", "dbias", "dinit"), grads, grads_ref):
         assert (g is None) == (r is None), name
         if r is not None:
