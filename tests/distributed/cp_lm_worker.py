@@ -35,6 +35,11 @@ WORLD4 = {
     "tp2xcp2_mamba1_sp": ("mamba1", dict(tp=2, cp=2, sequence_parallel=True), (11,)),
     "dp2xcp2_mamba2": ("mamba2", dict(dp=2, cp=2), (9,)),
 }
+# the generated kernels under Triton's interpreter (the test sets TRITON_INTERPRET=1): cp_ssd runs
+# its fused form, the exchange inside one autograd Function
+KERNELS2 = {"mamba2_kernels": ("mamba2", dict(cp=2, kernels="triton"), (9,))}
+KERNELS4 = {"tp2xcp2_mamba2_kernels": ("mamba2_groups", dict(tp=2, cp=2, kernels="triton"), (9,)),
+            "dp2xcp2_mamba2_kernels": ("mamba2", dict(dp=2, cp=2, kernels="triton"), (11,))}
 
 
 def sharded_output(world: int) -> float:
@@ -81,6 +86,22 @@ def _run(table: dict, world: int) -> dict:
     for name, (config, opts, lengths) in table.items():
         for L in lengths:
             res[f"{name}@{L}"] = check_config(config, world, seqlen=L, **opts)
+    return res
+
+
+def scenario_cp_lm_kernels(world: int) -> dict:
+    """The KERNELS tables, counting the calls of the fused cp SSD (it must be the form that ran)."""
+    import mambac.runtime.cp_ssd_fused as fused
+    plain, calls = fused.cp_ssd_fused, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    fused.cp_ssd_fused = counted
+    res = _run(KERNELS2 if world == 2 else KERNELS4, world)
+    res["fused_calls"] = len(calls)
+    res["rank"] = dist.get_rank()
     return res
 
 

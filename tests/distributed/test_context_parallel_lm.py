@@ -5,7 +5,7 @@ and are not multiples of cp x chunk, with whole or per-rank inputs; at a long se
 about 1/cp of the single-process activations."""
 import pytest
 
-from tests.distributed.cp_lm_worker import WORLD2, WORLD4
+from tests.distributed.cp_lm_worker import KERNELS2, KERNELS4, WORLD2, WORLD4
 from tests.distributed.harness import run_ranks
 
 TOL = 1e-5
@@ -44,3 +44,17 @@ def test_saved_activations_per_rank_are_about_one_over_cp(ranks):
 def test_sharded_output_is_this_ranks_piece_of_the_sequence(ranks):
     _, results = ranks
     assert all(res["sharded_output"] <= TOL for res in results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_generated_kernels_with_the_fused_cp_ssd_match_single_process_eager(world, tmp_path):
+    """kernels="triton" under the interpreter: cp_ssd runs its fused form (exchange inside the
+    autograd Function), alone, under tp x cp and under dp x cp, and the LM still equals eager."""
+    env = {"TRITON_INTERPRET": "1", "MAMBAC_CACHE_DIR": str(tmp_path)}
+    results = run_ranks(world, "cp_lm_kernels", timeout=300, env=env)
+    for res in results:
+        assert res["fused_calls"] > 0, res
+        for key in _keys(KERNELS2 if world == 2 else KERNELS4):
+            got = res[key]
+            for what in ("logits", "loss", "grad", "state_dict"):
+                assert got[what] <= TOL, (world, res["rank"], key, what, got)

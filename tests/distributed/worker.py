@@ -226,10 +226,11 @@ def main() -> None:
     import datetime
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("MAMBAC_TEST_PG_TIMEOUT", "60"))))
     world = dist.get_world_size()
-    from tests.distributed.cp_lm_worker import scenario_cp_lm
+    from tests.distributed.cp_lm_worker import scenario_cp_lm, scenario_cp_lm_kernels
     from tests.distributed.cp_worker import scenario_cp
     from tests.distributed.remat_worker import scenario_remat
-    scenarios = {"tp2": scenario_tp2, "w4": scenario_w4, "faults": scenario_faults, "cp": scenario_cp, "cp_lm": scenario_cp_lm, "mismatch": scenario_mismatch,
+    scenarios = {"tp2": scenario_tp2, "w4": scenario_w4, "faults": scenario_faults, "cp": scenario_cp, "cp_lm": scenario_cp_lm,
+                 "cp_lm_kernels": scenario_cp_lm_kernels, "mismatch": scenario_mismatch,
                  "remat": scenario_remat}
     result = scenarios[scenario](world)
     print("RESULT " + json.dumps(result), flush=True)
