@@ -18,6 +18,7 @@ PLAN = "mambac_plan"            # gm.meta: the RankPlan a per-rank program is lo
 GLOBAL_SHAPES = "mambac_global_shapes"  # gm.meta: node name -> shape in the unsharded model's graph
 CP_LENGTH = "mambac_cp_length"  # gm.meta: the whole sequence length a cp rank's program is lowered for
 MESH = "mambac_mesh"            # gm.meta: the MeshSpec (sizes, this rank, group names)
+KERNELS = "mambac_kernels"      # gm.meta: the kernel mode the program runs under (fake runs use it too)
 WANTS = "mambac_wants"          # dict input-name -> Placement an op needs its input in (set by propagate_sharding)
 
 

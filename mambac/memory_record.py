@@ -11,7 +11,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mambac.ir import VAL
+from mambac.ir import KERNELS, VAL
 from mambac.memory_costs import NodeCost, _tensors, node_cost
 from mambac.ops._common import info_for_target
 
@@ -148,8 +148,9 @@ def run_saved(gm: torch.fx.GraphModule, at: tuple[int, int] | None = None) -> _R
     rec = _Recorder(gm, fixed)
     cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)  # else fake weight casts would be cached for the real run
-    try:
-        with torch.inference_mode(False), torch.enable_grad(), mode, \
+    from mambac.ops import use_kernels
+    try:  # under the program's kernel mode: forms that differ by mode (cp's SSD) save what they will save
+        with torch.inference_mode(False), torch.enable_grad(), mode, use_kernels(gm.meta.get(KERNELS, "auto")), \
                 torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             rec.run(*inputs)
     finally:

@@ -26,6 +26,7 @@ Under tensor parallelism a block is split at its collectives into several region
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
 from dataclasses import dataclass
@@ -48,7 +49,9 @@ REMAT = "mambac_remat"    # node.meta: RematTag on every node a region recompute
 
 class RematRegion(torch.nn.Module):
     """A recomputed region: runs ``body`` under non-reentrant checkpointing, so autograd keeps
-    only the region's inputs and replays ``body`` in backward to get what its ops saved."""
+    only the region's inputs and replays ``body`` in backward to get what its ops saved.  The
+    replay runs under the kernel mode of the forward (``mambac.ops.use_kernels``; backward runs
+    outside the compiled module's own context), so it recomputes exactly what the forward computed."""
 
     def __init__(self, body: torch.fx.GraphModule, spec: RegionSpec) -> None:
         super().__init__()
@@ -56,7 +59,10 @@ class RematRegion(torch.nn.Module):
         self.spec = spec
 
     def forward(self, *args):
-        return checkpoint(self.body, *args, use_reentrant=False)
+        from mambac.ops import kernel_mode, use_kernels
+        mode = kernel_mode()
+        return checkpoint(self.body, *args, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch.fx
 
 from mambac.errors import MambacError, MambacPassError
+from mambac.ir import KERNELS
 from mambac.printer import print_graph
 from mambac.progress import progress
 from mambac.verifier import verify
@@ -33,6 +34,7 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, names: Sequence[str])
     unknown = [n for n in names if n not in PASSES]
     if unknown:
         raise MambacPassError(f"unknown passes {unknown}; known: {sorted(PASSES)}")
+    gm.meta.setdefault(KERNELS, getattr(ctx.options, "kernels", "auto"))  # what the program runs with
     text = print_graph(gm, "capture", ctx.rank, ctx.world_size)
     ctx.history.append(("capture", text))
     _dump(ctx, 0, "capture", text)

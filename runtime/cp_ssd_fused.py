@@ -160,6 +160,39 @@ class CPSSDFunction(torch.autograd.Function):
                 None if dt_bias is None else dbias.to(dt_bias.dtype)) + (None,) * 5
 
 
+class FakeCPSSD(torch.autograd.Function):
+    """``CPSSDFunction`` on fake tensors (shape propagation, the memory model's fake run): its
+    outputs' shapes, and for autograd's saved-tensor hooks tensors shaped like the ones the real
+    Function keeps (the inputs; dtp and cs, (b, h, nc*q) fp32; the entering states, (b, nc, h, p,
+    n) in x's dtype; every rank's total decay, (world, b, h) fp32).  Its backward gives zeros of
+    the inputs' shapes."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, chunk_size, world):
+        b, l, h, p = x.shape
+        n = B.shape[-1]
+        steps = -(-l // chunk_size) * chunk_size
+        f32 = torch.float32
+        dtp, cs = x.new_empty(b, h, steps, dtype=f32), x.new_empty(b, h, steps, dtype=f32)
+        sin = x.new_empty(b, steps // chunk_size, h, p, n)
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, dtp, cs, sin, x.new_empty(world, b, h, dtype=f32))
+        return x.new_empty(b, l, h, p), x.new_empty(b, h, p, n, dtype=f32)
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        inputs = ctx.saved_tensors[:8]
+        return tuple(None if t is None else torch.zeros_like(t) for t in inputs) + (None, None)
+
+
+def fake_form(x: Tensor, *others: Optional[Tensor]) -> bool:
+    """Whether these are fake tensors the generated kernels would take if they were real (so the
+    fake run mirrors ``cp_ssd_fused`` rather than the PyTorch form)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from mambac.codegen.ssd_kernels import kernels_support
+    return isinstance(x, FakeTensor) and kernels_support(x, *others)
+
+
 def supported(x: Tensor, *others: Optional[Tensor]) -> bool:
     """Whether this form takes these inputs: real tensors (not fake or meta ones, as in shape
     propagation, where the zero-start form's ops give the shapes), non-empty, of a dtype and on a

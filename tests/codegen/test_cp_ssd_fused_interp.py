@@ -138,23 +138,36 @@ def _one_rank() -> Exchange:
 @pytest.mark.interp
 def test_cp_ssd_dispatch(monkeypatch):
     """Kernels on and real tensors: ``cp_ssd`` runs the fused form (one rank: the plain scan); fake
-    tensors (shape propagation): the zero-start form, whose ops have fake kernels."""
+    tensors (shape propagation, the memory model): ``FakeCPSSD``, which returns the same shapes and
+    saves tensors of the shapes and dtypes the real form saves."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from mambac.ops import use_kernels
     from mambac.runtime import context_parallel as cp
     monkeypatch.setattr(cp, "summary_exchange", lambda rank, world, group: _one_rank())
     args = make_inputs(0, 1, 9, 3, 1, 4, 8, z=True, D="head", bias=True, dtype=torch.float32)
-    x = args[0].requires_grad_()
+    leaves = [None if a is None else a.clone().requires_grad_() for a in args]
+
+    def saved_by(fn):
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append((tuple(t.shape), t.dtype)) or t,
+                                                      lambda t: t):
+            out = fn()
+        return out, sorted(seen, key=str)
+
     with use_kernels("triton"):
-        y, final = cp.cp_ssd(*args, 4, True, 0.0, math.inf, 0, 1, "cp")
+        (y, final), real_saved = saved_by(lambda: cp.cp_ssd(*leaves, 4, True, 0.0, math.inf, 0, 1, "cp"))
         y_ref, final_ref = torch.ops.mambac.ssd(*args, None, 4, True, 0.0, math.inf)
     assert y.grad_fn.name() == "CPSSDFunctionBackward"
     assert rel_err(y, y_ref) == 0.0 and rel_err(final, final_ref) == 0.0
-    from torch._subclasses.fake_tensor import FakeTensorMode
     monkeypatch.setattr("mambac.runtime.cp_ssd_fused.cp_ssd_fused", None)   # must not be reached
     with FakeTensorMode(), use_kernels("triton"):
-        fake = [None if a is None else torch.empty(a.shape, dtype=a.dtype) for a in args]
-        y_fake, final_fake = cp.cp_ssd(*fake, 4, True, 0.0, math.inf, 0, 1, "cp")
-    assert y_fake.shape == y.shape and final_fake.shape == final.shape
+        fake = [None if a is None else torch.empty(a.shape, dtype=a.dtype).requires_grad_() for a in args]
+        (y_fake, final_fake), fake_saved = saved_by(lambda: cp.cp_ssd(*fake, 4, True, 0.0, math.inf, 0, 1, "cp"))
+    assert y_fake.grad_fn.name() == "FakeCPSSDBackward"
+    assert (y_fake.shape, y_fake.dtype, final_fake.shape, final_fake.dtype) == (y.shape, y.dtype, final.shape,
+                                                                               final.dtype)
+    assert fake_saved == real_saved and len(real_saved) >= 11
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Rematerialisation on several ranks (run by ``worker.py remat`` on 2 gloo ranks).
 
-For each layout (tp, tp with sequence parallelism, dp) the same model is compiled three times on
+For each layout (tp, tp with sequence parallelism, dp, cp on generated kernels) the same model is compiled three times on
 every rank: without remat, with ``remat='full'`` and with ``remat='auto'`` under a budget halfway
 between the least reachable and no remat (the same figure on every rank).  Each reports, per
 rank: logits and local gradients against the no-remat run (exactly equal in fp32?), the
@@ -24,6 +24,9 @@ LAYOUTS = {
     "mamba1_tp2": ("mamba1", {}, dict()),   # x_proj's all-reduce sits inside the block
     "mamba2_groups_tp2_sp": ("mamba2", dict(ssm_cfg=dict(MAMBA2, ngroups=2)), dict(sequence_parallel=True)),
     "mamba2_dp2": ("mamba2", {}, dict(dp=2)),
+    # generated kernels under the interpreter (the test sets TRITON_INTERPRET=1): cp_ssd's fused form
+    # runs, and the fake run that predicts its saved bytes mirrors it (cp_ssd_fused.FakeCPSSD)
+    "mamba2_cp2_kernels": ("mamba2", {}, dict(tp=1, cp=2, kernels="triton")),
 }
 
 

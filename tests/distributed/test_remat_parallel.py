@@ -1,4 +1,5 @@
-"""Rematerialisation on 2 gloo ranks (tp, tp with sequence parallelism, dp): remat='full' and
+"""Rematerialisation on 2 gloo ranks (tp, tp with sequence parallelism, dp, cp with the generated kernels
+under the interpreter): remat='full' and
 'auto' (a budget between the least reachable and no remat) give the no-remat run's logits and
 gradients bit for bit on every rank, the saved-for-backward bytes measured with saved-tensor hooks
 are within 10% of each rank's prediction and under the budget, and no recompute region holds a
@@ -11,7 +12,7 @@ from tests.distributed.remat_worker import LAYOUTS
 
 @pytest.fixture(scope="module")
 def remat2():
-    return run_ranks(2, "remat", timeout=240)
+    return run_ranks(2, "remat", timeout=300, env={"TRITON_INTERPRET": "1"})
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
