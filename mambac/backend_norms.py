@@ -5,9 +5,10 @@ elementwise nodes (cast, square, mean, rsqrt, two products).  Each region whose 
 from the frame dynamo compiles, whose only inputs are its weight and one tensor, whose value leaves
 it once, and whose input, weight and output share one dtype (so HF's casts to fp32 and back are
 exactly what the op does) becomes one ``add_rmsnorm(x, None, weight, eps)`` node, i.e. the
-generated RMSNorm kernels on CUDA.  The residual add before it stays a separate node: HF's blocks
-cast the sum (``.to(weight.dtype)``) and keep it as the next residual, and whether those casts are
-no-ops is only known at run time (autocast), so ``fuse_ssm`` does not fold it.
+generated RMSNorm kernels on CUDA.  HF's blocks cast the residual sum to the weight's dtype before
+the norm (``.to(weight.dtype)``); where that cast changes nothing in this graph it is dropped, so
+``fuse_ssm`` folds the sum into the op and the next block's residual reads the op's residual
+output.
 """
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ def _swap_norm(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: 
         raise _Refused(f"its input ({h.dtype}), weight ({w.dtype}) and output ({y.dtype}) dtypes differ")
     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
     graph = gm.graph
+    cast = _noop_cast(hidden, inside)
+    source = cast.args[0] if cast is not None else hidden
     with graph.inserting_before(out):
-        op = graph.call_function(torch.ops.mambac.add_rmsnorm.default, (hidden, None, weight, eps, False))
+        op = graph.call_function(torch.ops.mambac.add_rmsnorm.default, (source, None, weight, eps, False))
         result = graph.call_function(operator.getitem, (op, 0))
     for node in (op, result):
         node.meta["nn_module_stack"] = dict(region.stack)
@@ -59,6 +62,25 @@ def _swap_norm(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: 
     for node in reversed(list(graph.nodes)):
         if node in inside and not node.users:
             graph.erase_node(node)
+    if cast is not None and not cast.users:
+        graph.erase_node(cast)
+
+
+def _noop_cast(hidden: torch.fx.Node, inside: set) -> torch.fx.Node | None:
+    """``hidden`` if it is ``t.to(dtype)`` of a tensor that already has that dtype and only the
+    norm reads it (HF's blocks cast the residual sum to the norm weight's dtype): the op then
+    reads ``t`` itself, so ``fuse_ssm`` sees the sum.  The graph is dynamo's for this call's
+    autocast state (dynamo guards on it), so the dtypes seen here are the ones that run."""
+    if hidden.op != "call_method" or hidden.target != "to" or not hidden.args \
+            or not isinstance(hidden.args[0], torch.fx.Node) or any(u not in inside for u in hidden.users):
+        return None
+    src, out = _value(hidden.args[0]), _value(hidden)
+    extra = set(hidden.kwargs) - {"dtype"}
+    if extra or len(hidden.args) > 2 or not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return None
+    if src.dtype != out.dtype or src.device != out.device:
+        return None
+    return hidden
 
 
 def swap_foreign_norms(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], f_locals: dict) -> int:

@@ -7,7 +7,8 @@ Guarantees: the program computes the same function; every match is counted in
 ``meta[FUSION]``; the absorbed nodes are left dead for ``eliminate_dead_code``.
 
 Each fusion is a pattern (the unfused eager math, given in its docstring) and a rewrite that sets the
-fused op's arguments.  A match requires that every intermediate value has no other user, so nothing
+fused op's arguments.  A match requires that every intermediate value has no other user (add_rmsnorm's sum
+excepted: its later readers read the op's residual output instead), so nothing
 that someone else reads disappears:
 
 - ``dt_prologue``    ``ssd(x, clamp(softplus(dt + dt_bias), lo, hi), ...)`` → ``ssd(x, dt, dt_bias=..., dt_softplus, dt_min/max)``
@@ -15,7 +16,8 @@ that someone else reads disappears:
 - ``d_skip``         ``ssd(x, ...)[0] + x * D`` (same for ``selective_scan``) → ``D=...``
 - ``z_gate``         ``op(...)[0] * silu(z)`` → ``z=...`` (only after the D skip, which the op applies first)
 - ``conv_silu``      ``silu(causal_conv1d(x, w, b, activation='none')[0])`` → ``activation='silu'``
-- ``add_rmsnorm``    ``add_rmsnorm(a + b, None, w)`` → ``add_rmsnorm(a, b, w)`` (the sum is returned as the residual)
+- ``add_rmsnorm``    ``add_rmsnorm(a + b, None, w)`` → ``add_rmsnorm(a, b, w)`` (the sum is returned as the residual;
+                     later readers of the sum read that output when its dtype is the sum's)
 """
 from __future__ import annotations
 
@@ -225,18 +227,43 @@ def _conv_silu(node: torch.fx.Node) -> bool:
     return _fold(node, conv, y, "conv_silu", activation="silu")
 
 
+def _later_users(total: torch.fx.Node, node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The users of ``total`` besides ``node``, if every one comes after ``node`` (they can then
+    read the op's residual output instead); None otherwise."""
+    others = [u for u in total.users if u is not node]
+    if not others:
+        return []
+    after, seen = set(), False
+    for n in node.graph.nodes:
+        if seen:
+            after.add(n)
+        seen = seen or n is node
+    return others if all(u in after for u in others) else None
+
+
 def _add_rmsnorm(node: torch.fx.Node) -> bool:
     if not is_op(node, torch.ops.mambac.add_rmsnorm) or op_arg(node, "residual") is not None:
         return False
     total = op_arg(node, "x")
-    if not is_call(total, ADD) or len(total.args) != 2 or not _only_user(total, node):
+    if not is_call(total, ADD) or len(total.args) != 2:
         return False
     a, b = total.args
     if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)) or shape(a) != shape(b):
         return False
     out_dtype = total.meta["val"].dtype
     x, res = (a, b) if a.meta["val"].dtype == out_dtype else (b, a)
+    others = _later_users(total, node)
+    # the sum read again later (a block's next residual) comes from the op's residual output,
+    # which has x's dtype, i.e. the sum's, unless residual_in_fp32 widens it
+    if others is None or (others and (x.meta["val"].dtype != out_dtype or op_arg(node, "residual_in_fp32"))):
+        return False
     set_op_args(node, x=x, residual=res)
+    if others:
+        with node.graph.inserting_after(node):
+            summed = node.graph.call_function(operator.getitem, (node, 1))
+        summed.meta.update({k: v for k, v in total.meta.items()})
+        for user in others:
+            user.replace_input_with(total, summed)
     _mark(node, "add_rmsnorm")
     return True
 

@@ -1,5 +1,6 @@
 """fuse_ssm on small hand-written graphs: printed graph after, match counts, numerics, and the
 cases that must NOT fuse."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -107,4 +108,38 @@ def test_disabling_fuse_ssm_keeps_the_math():
     compiled = mambac.compile(model, disable_passes=("fuse_ssm",))
     assert "fuse_ssm" not in next(iter(compiled.programs.values())).ctx.stats
     assert "F.softplus" in compiled.lowered_graph_text()
+    _check_numerics(model, compiled)
+
+
+class SumReadAgain(nn.Module):
+    """A residual sum that is normed and read again (a block's next residual), after the norm or
+    before it."""
+
+    def __init__(self, d=6, read_before=False):
+        super().__init__()
+        self.nw, self.read_before = nn.Parameter(torch.rand(d)), read_before
+
+    def forward(self, a, b):
+        s = a + b
+        early = s * 2 if self.read_before else None
+        out, _ = ops.add_rmsnorm(s, None, self.nw, 1e-5, False)
+        return out + (early if self.read_before else s * 3)
+
+    def example_inputs(self):
+        return torch.randn(2, 5, 6), torch.randn(2, 5, 6)
+
+
+@pytest.mark.parametrize("read_before", [False, True])
+def test_sum_read_again_folds_only_when_read_after_the_norm(read_before):
+    """Read after the op: the add folds and the later read takes the op's residual output.  Read
+    before it: nothing can take the op's output there, so the add stays."""
+    model = SumReadAgain(read_before=read_before)
+    compiled = mambac.compile(model)
+    assert _stats(compiled)["add_rmsnorm"] == (0 if read_before else 1)
+    text = compiled.lowered_graph_text()
+    assert ("mambac.add_rmsnorm(a, b, nw, 1e-05, False)" in text) == (not read_before)
+    if not read_before:  # the later read (s * 3) takes the op's residual output
+        residual = next(ln.split(" = ")[0].strip() for ln in text.splitlines()
+                        if "operator.getitem(add_rmsnorm, 1)" in ln)
+        assert f"operator.mul({residual}, 3)" in text
     _check_numerics(model, compiled)
