@@ -106,9 +106,9 @@ def cp_rank_corrected(t: dict, q: int, world: int, gathered: torch.Tensor):
                                      True, 0.0, float("inf"))
     cum = cpf.ssd_summaries(t["dt"], t["A"], t["dt_bias"], True, 0.0, float("inf"), ct)
     log_decay = cum[:, -1]
-    mine = cpf._pack(local.to(ct), log_decay)
+    mine = cpf.pack_summaries(local.to(ct), log_decay)
     every = torch.cat([gathered[:-1], mine.unsqueeze(0)], 0)   # what the all-gather returns
-    states, decays = cpf._unpack(every, (local, log_decay))
+    states, decays = cpf.unpack_summaries(every, (local, log_decay))
     s_in = cpf.incoming_state(states, decays, world - 1)
     y = cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])
     final = local.to(ct) + torch.exp(log_decay)[..., None, None] * s_in
@@ -174,13 +174,13 @@ def _forward_pieces(t: dict, s: dict, gathered: torch.Tensor, bench) -> dict:
     """Forward time of each piece of the cp rank's extra work, both forms."""
     from mambac.codegen.ssd_kernels import prepare, run_chunk_state, run_state_pass
     from mambac.codegen.cp_combine_kernels import weighted_rows
-    from mambac.runtime.cp_ssd_fused import chunk_totals, prefix_weights, with_initial_state
+    from mambac.runtime.cp_ssd_fused import chunk_totals, with_initial_state
     ct, inf = torch.float32, float("inf")
     pr = prepare(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"], None, s["q"], True, 0.0, inf)
     states, _, cs = run_chunk_state(pr)
     _, f_local = run_state_pass(pr, states, cs)
     last, hpn = s["world"] - 1, s["h"] * s["p"] * s["n"]
-    weights = prefix_weights(gathered[..., hpn:].contiguous(), last)
+    weights = cpf.prefix_weights(gathered[..., hpn:].contiguous(), last)
 
     def combine():
         return weighted_rows(gathered[:last], weights, hpn).view_as(f_local)

@@ -13,7 +13,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mambac.ir import KERNELS, VAL
 from mambac.memory_costs import NodeCost, _tensors, node_cost
-from mambac.ops._common import info_for_target
 
 
 @dataclass(frozen=True)
@@ -34,23 +33,6 @@ class _Run:
     storages: dict[str, Storage]
     values: dict[str, tuple[str, ...]]
     costs: dict[str, NodeCost]
-
-
-# ops whose fake function gives its outputs the layout their eager implementations give them
-# (``causal_conv1d``: laid out as x, ``ops.causal_conv1d.output_like``)
-_EXACT_LAYOUT = frozenset({"causal_conv1d"})
-
-
-def _contiguous(value: Any) -> Any:
-    """A mambac op's outputs as its eager implementation returns them: contiguous, except for the
-    ops of ``_EXACT_LAYOUT``.  (Some fake functions return ``empty_like(x)``, which copies a
-    transposed input's strides; a view taken of such an output would look free here while the
-    real one copies.)"""
-    if isinstance(value, torch.Tensor):
-        return value.contiguous()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_contiguous(v) for v in value)
-    return value
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -84,9 +66,6 @@ class _Recorder(torch.fx.Interpreter):
         out = super().run_node(n)
         if n.op in ("placeholder", "output"):
             return out
-        info = info_for_target(n.target) if n.op == "call_function" else None
-        if info is not None and info.name not in _EXACT_LAYOUT:
-            out = _contiguous(out)
         tensors, keys, new = _tensors(out), [], 0
         for k, t in enumerate(tensors):  # name the storages n returns; views keep their base's name
             st = t.untyped_storage()

@@ -69,17 +69,21 @@ def _state_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def prefix_weights(log_decays: Tensor, rank: int) -> Tensor:
+    """(rank, *D): the weight exp(ld_{j+1} + ... + ld_{rank-1}) of rank j's final state in the
+    incoming state of ``rank``; sums of later decays (a reversed cumsum), never differences."""
+    lds = log_decays[:rank]
+    return torch.exp(torch.cat([lds[1:], torch.zeros_like(lds[:1])]).flip(0).cumsum(0).flip(0))
+
+
 def incoming_state(states: Tensor, log_decays: Tensor, rank: int) -> Tensor:
     """Exclusive prefix combine of per-rank (final state from zero, total log-decay) pairs.
 
     ``states`` (W, *S), ``log_decays`` (W, *D) with D broadcastable to S after trailing unsqueezes."""
     if rank == 0:
         return torch.zeros_like(states[0])
-    # S_in = sum_{j<r} exp(ld_{j+1} + ... + ld_{r-1}) S_j: every weight at once (a few launches, not 3 per
-    # rank); each exponent is a sum of the later ranks' decays (a reversed cumsum), never a difference
-    lds = log_decays[:rank]
-    later = torch.cat([lds[1:], torch.zeros_like(lds[:1])]).flip(0).cumsum(0).flip(0)
-    w = torch.exp(later)
+    # S_in = sum_{j<r} exp(ld_{j+1} + ... + ld_{r-1}) S_j: every weight at once
+    w = prefix_weights(log_decays, rank)
     while w.dim() < states.dim():
         w = w.unsqueeze(-1)
     return (w * states[:rank]).sum(0)
@@ -115,26 +119,14 @@ def cp_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], activati
 def ssd_summaries(dt: Tensor, A: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float,
                   dt_max: float, ct: torch.dtype) -> Tensor:
     """Inclusive cumulative log-decay of every step of this piece, (b, l_r, h) in ``ct``; its last
-    step is the piece's total log-decay, the summary that travels with the final state.  Where
-    generated kernels may run (fp32/bf16/fp16, ``ct`` fp32), one fused Triton kernel does it (and
-    its backward); otherwise, and for float64, this PyTorch form (the exact reference) runs."""
-    if ct == torch.float32 and mambac.ops.kernels_enabled(dt.device):
-        from mambac.codegen import cp_summaries_kernels as fused
-        if fused.supported(dt, A, dt_bias):
-            return fused.fused_summaries(dt, A, dt_bias, dt_softplus, dt_min, dt_max)
+    step is the piece's total log-decay, the summary that travels with the final state."""
     from mambac.ops.ssd import process_dt
     return torch.cumsum(process_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, ct) * A.to(ct), dim=1)
 
 
 def ssd_correction(y0: Tensor, C: Tensor, cum: Tensor, s_in: Tensor, z: Optional[Tensor]) -> Tensor:
     """The output of a piece that starts from ``s_in`` instead of zero: y0 + exp(cum_t) C_t S_in,
-    then the z gate.  ``y0`` (b, l, h, p) is the zero-start output with the D skip, ungated.
-    Where generated kernels may run (fp32/bf16/fp16), one fused Triton kernel does it (and its
-    backward); otherwise, and for float64, this PyTorch form (the exact reference) runs."""
-    if mambac.ops.kernels_enabled(y0.device):
-        from mambac.codegen import cp_correction_kernels as fused
-        if fused.supported(y0, C, cum, s_in, z):
-            return fused.fused_correction(y0, C, cum, s_in, z)
+    then the z gate.  ``y0`` (b, l, h, p) is the zero-start output with the D skip, ungated."""
     b, l, h, p = y0.shape
     g = C.shape[2]
     ct = s_in.dtype
@@ -189,8 +181,8 @@ def cp_ssd_corrected(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: 
                                      dt_min, dt_max)
     cum = ssd_summaries(dt, A, dt_bias, dt_softplus, dt_min, dt_max, ct)
     log_decay = cum[:, -1]                                                                  # (b, h)
-    gathered = exchange(_pack(local.to(ct), log_decay), rank, world, group)
-    states, decays = _unpack(gathered, (local, log_decay))
+    gathered = exchange(pack_summaries(local.to(ct), log_decay), rank, world, group)
+    states, decays = unpack_summaries(gathered, (local, log_decay))
     s_in = anchored(incoming_state(states, decays, rank), gathered)
     y = ssd_correction(y0, C, cum, s_in, z)
     final = local.to(ct) + torch.exp(log_decay)[..., None, None] * s_in
@@ -211,21 +203,21 @@ def cp_selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
     if delta_softplus:
         dl = torch.nn.functional.softplus(dl)
     log_decay = dl.sum(-1).unsqueeze(-1) * A.to(ct)                                       # (b, d, n)
-    gathered = exchange(_pack(local.to(ct), log_decay), rank, world, group)
-    states, decays = _unpack(gathered, (local, log_decay))
+    gathered = exchange(pack_summaries(local.to(ct), log_decay), rank, world, group)
+    states, decays = unpack_summaries(gathered, (local, log_decay))
     s_in = anchored(incoming_state(states, decays, rank), gathered)
     return torch.ops.mambac.selective_scan(u, delta, A, B, C, D, z, delta_bias, s_in, delta_softplus)
 
 
 # ---- Mamba-3: angle, ssm, last key and last value -------------------------------------------------
 
-def _pack(*parts: Tensor) -> Tensor:
+def pack_summaries(*parts: Tensor) -> Tensor:
     """One (b, total) tensor from per-batch summaries, so one collective carries them all."""
     return torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
 
 
-def _unpack(packed: Tensor, likes: tuple[Tensor, ...]) -> list[Tensor]:
-    """Inverse of ``_pack`` for a gathered (W, b, total) tensor: (W, *like.shape) per part."""
+def unpack_summaries(packed: Tensor, likes: tuple[Tensor, ...]) -> list[Tensor]:
+    """Inverse of ``pack_summaries`` for a gathered (W, b, total) tensor: (W, *like.shape) per part."""
     sizes = [t[0].numel() for t in likes]
     return [piece.reshape(packed.shape[0], *t.shape) for piece, t in zip(packed.split(sizes, dim=-1), likes)]
 
@@ -274,8 +266,8 @@ def cp_mamba3_siso(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, adt: Tensor, tra
     first = torch.ops.mambac.mamba3_siso(x, B, C, dt, adt, trap, angles, B_bias, C_bias, None, None,
                                          None, None, None, None, chunk_size)
     parts = _mamba3_summaries(first, dt, adt, trap)
-    packed = exchange(_pack(*parts), rank, world, group)
-    phi, ssm, k, v = _mamba3_incoming(_unpack(packed, parts), rank, rotate_adjacent, None)
+    packed = exchange(pack_summaries(*parts), rank, world, group)
+    phi, ssm, k, v = _mamba3_incoming(unpack_summaries(packed, parts), rank, rotate_adjacent, None)
     ssm = anchored(ssm, packed)
     return torch.ops.mambac.mamba3_siso(x, B, C, dt, adt, trap, angles, B_bias, C_bias, D, z, phi, ssm, k, v,
                                         chunk_size)
@@ -290,8 +282,8 @@ def cp_mamba3_mimo(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, adt: Tensor, tra
     first = torch.ops.mambac.mamba3_mimo(x, B, C, dt, adt, trap, angles, B_bias, C_bias, mimo_x, None, None,
                                          None, None, None, None, None, None, chunk_size)
     parts = _mamba3_summaries(first, dt, adt, trap)
-    packed = exchange(_pack(*parts), rank, world, group)
-    phi, ssm, k, v = _mamba3_incoming(_unpack(packed, parts), rank, rotate_halves, mimo_x)
+    packed = exchange(pack_summaries(*parts), rank, world, group)
+    phi, ssm, k, v = _mamba3_incoming(unpack_summaries(packed, parts), rank, rotate_halves, mimo_x)
     ssm = anchored(ssm, packed)
     return torch.ops.mambac.mamba3_mimo(x, B, C, dt, adt, trap, angles, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
                                         D, z, phi, ssm, k, v, chunk_size)

@@ -45,6 +45,7 @@ from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, prepare, run_chunk_s
                                         run_state_pass)
 from mambac.codegen.ssd_kernels_bwd import (backward_after_passing, run_dstate, run_gate_backward,
                                             run_state_pass_bwd)
+from mambac.runtime.context_parallel import pack_summaries, prefix_weights
 
 
 @dataclass(frozen=True)
@@ -61,19 +62,6 @@ def chunk_totals(pr: Prepared, cs: Tensor) -> Tensor:
     """Total log-decay of every chunk, (b, h, nc) fp32: the last entry of each chunk's cumsum."""
     d = pr.dims
     return cs.view(d.b, d.h, d.nc, d.q)[..., d.q - 1]
-
-
-def pack(final: Tensor, total: Tensor) -> Tensor:
-    """(b, h*p*n + h): a rank's final state from zero and its total log-decay, one tensor."""
-    return torch.cat([final.reshape(final.shape[0], -1), total], dim=1)
-
-
-def prefix_weights(totals: Tensor, rank: int) -> Tensor:
-    """(rank, b, h): the weight exp(T_{j+1} + ... + T_{rank-1}) of rank j's final state in this
-    rank's incoming state; sums of later decays, never differences."""
-    t = totals[:rank]
-    later = torch.cat([t[1:], torch.zeros_like(t[:1])]).flip(0).cumsum(0).flip(0)
-    return torch.exp(later)
 
 
 def suffix_weights(totals: Tensor, rank: int) -> Tensor:
@@ -96,7 +84,7 @@ def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
     d = pr.dims
     states, dtp, cs = run_chunk_state(pr)
     sin, f_local = run_state_pass(pr, states, cs)
-    gathered = exchange.gather(pack(f_local, chunk_totals(pr, cs).sum(-1)))
+    gathered = exchange.gather(pack_summaries(f_local, chunk_totals(pr, cs).sum(-1)))
     totals = gathered[..., -d.h:].contiguous()
     final = f_local
     if exchange.rank > 0:             # rank 0: nothing comes in, the zero-start pass is the answer
@@ -194,9 +182,8 @@ def fake_form(x: Tensor, *others: Optional[Tensor]) -> bool:
 
 
 def supported(x: Tensor, *others: Optional[Tensor]) -> bool:
-    """Whether this form takes these inputs: real tensors (not fake or meta ones, as in shape
-    propagation, where the zero-start form's ops give the shapes), non-empty, of a dtype and on a
-    device the generated SSD kernels take."""
+    """Whether this form takes these inputs: real tensors (fake ones take ``FakeCPSSD``, meta
+    ones the PyTorch form), non-empty, of a dtype and on a device the generated SSD kernels take."""
     from mambac.codegen.ssd_kernels import kernels_support
     tensors = [x] + [t for t in others if t is not None]
     if any(type(t) not in (Tensor, torch.nn.Parameter) or t.device.type == "meta" for t in tensors):

@@ -41,20 +41,3 @@ def check_grads(errs: dict, names, grads, args, refs, tol: float) -> None:
         errs["d" + name] = rel_err(g, ref.grad)
     bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, f"errors above {tol}: {bad}; all: {errs}"
-
-
-def compare_with_float64(fused, reference, inputs, dout, tol: float, names) -> torch.Tensor:
-    """Run ``fused`` on ``inputs`` and ``reference`` on float64 copies of the same values, both
-    backward from ``dout``; assert the output and every input gradient are within ``tol``
-    (relative, in norm).  Returns ``fused``'s output."""
-    from tests.helpers import rel_err
-    ref = [a.detach().double().requires_grad_() if a is not None else None for a in inputs]
-    out_ref = reference(*ref)
-    (out_ref * dout.double()).sum().backward()
-    got = [a.detach().clone().requires_grad_() if a is not None else None for a in inputs]
-    out = fused(*got)
-    assert out.shape == out_ref.shape
-    out.backward(dout)
-    check_grads({"out": rel_err(out, out_ref)}, names, [a.grad if a is not None else None for a in got],
-                got, ref, tol)
-    return out
