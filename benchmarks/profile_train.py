@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--by-op", action="store_true",
+                    help="group kernel time by the chain of ops that launched it (with input shapes)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"
@@ -66,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=args.by_op) as prof:
         for _ in range(args.steps):
             step()
         if cuda:
             torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps
+    if args.by_op:
+        return print_by_op(prof, args.steps, args.top, cuda)
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for ev in prof.key_averages():
         if cuda and ev.device_type.name != "CUDA":
@@ -90,6 +94,36 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for key, (t, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"| {key} | {n} | {t / 1e3:.2f} | {100 * t / busy:.1f}% |")
+    return 0
+
+
+def op_chain(ev, depth: int = 4) -> str:
+    """The op that launched a kernel (with its input shapes) and up to ``depth`` callers."""
+    names = [f"{ev.name}{list(ev.input_shapes)[:3] if ev.input_shapes else ''}"]
+    parent = ev.cpu_parent
+    while parent is not None and len(names) <= depth:
+        names.append(parent.name)
+        parent = parent.cpu_parent
+    return " < ".join(names)
+
+
+def print_by_op(prof, steps: int, top: int, cuda: bool) -> int:
+    """Kernel time per launching op chain: which ops of the program the copies and cats come from."""
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        kernels = getattr(ev, "kernels", None) or []
+        t = sum(k.duration for k in kernels) if cuda else ev.self_cpu_time_total
+        if t <= 0 or (not cuda and ev.cpu_children):
+            continue
+        g = groups[op_chain(ev)]
+        g[0] += t / steps
+        g[1] += 1
+    total = sum(t for t, _ in groups.values())
+    print(f"time by launching op chain, {total / 1e3:.1f} ms per step")
+    print("| op < callers | calls/step | ms/step | share |")
+    print("|---|---|---|---|")
+    for key, (t, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {key[:160]} | {n // steps} | {t / 1e3:.3f} | {100 * t / total:.1f}% |")
     return 0
 
 

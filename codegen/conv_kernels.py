@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mambac.codegen import autotune, render_conv
-from mambac.codegen.conv_norm_ir import ConvRegion
+from mambac.codegen.conv_norm_ir import ConvRegion, stride_hints
 from mambac.codegen.kernel_ir import TileConfig
 from mambac.codegen.ssd_launch import Family, cdiv, run_family
 from mambac.ops.causal_conv1d import output_like
@@ -53,11 +53,16 @@ BWD = Family(render_conv.BWD_NAME, lambda r, c: render_conv.render_backward(r), 
 
 
 def region_of(weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor], activation: str,
-              dfinal: Optional[Tensor] = None) -> ConvRegion:
+              dfinal: Optional[Tensor] = None, **strided: Optional[Tensor]) -> ConvRegion:
+    """The region of a call; ``strided`` maps each strided tensor's argument prefix ("x", "o", ...)
+    to the tensor, for the alignment hints of its strides."""
     width = int(weight.shape[1])
+    has_init = initial_state is not None and width > 1
+    named = {f"s{p}{axis}": v for p, t in strided.items() if t is not None and (p != "i" or has_init)
+             for axis, v in zip("bdl", t.stride())}
     return ConvRegion(width=width, has_bias=bias is not None, silu=activation == "silu",
-                      has_initial_state=initial_state is not None and width > 1,
-                      has_dfinal=dfinal is not None and width > 1)
+                      has_initial_state=has_init, has_dfinal=dfinal is not None and width > 1,
+                      hints=stride_hints(**named))
 
 
 def _strides(t: Tensor) -> list[int]:
@@ -67,10 +72,10 @@ def _strides(t: Tensor) -> list[int]:
 def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                  activation: str) -> tuple[Tensor, Tensor]:
     """(y, final_state) of ``mambac::causal_conv1d`` with the generated forward kernel."""
-    r = region_of(weight, bias, initial_state, activation)
+    y = output_like(x)
+    r = region_of(weight, bias, initial_state, activation, x=x, i=initial_state, o=y)
     b, dim, l = x.shape
     dims = ConvDims(b, dim, l, r.width)
-    y = output_like(x)
     final = torch.empty(b, dim, r.width - 1, device=x.device, dtype=x.dtype)
     w = weight.contiguous()
     head = [x, w] + ([bias] if r.has_bias else []) + ([initial_state] if r.has_initial_state else [])
@@ -88,13 +93,13 @@ def conv_backward(dy: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, wei
                   bias: Optional[Tensor], initial_state: Optional[Tensor], activation: str):
     """(dx, dweight, dbias, d initial_state) with the generated backward kernel (None where an
     input is absent)."""
-    r = region_of(weight, bias, initial_state, activation, dfinal)
-    b, dim, l = x.shape
-    width = r.width
-    dims = ConvDims(b, dim, l, width)
     if dy is None:
         dy = torch.zeros_like(x)
     dx = output_like(x)
+    r = region_of(weight, bias, initial_state, activation, dfinal, x=x, i=initial_state, g=dy, o=dx)
+    b, dim, l = x.shape
+    width = r.width
+    dims = ConvDims(b, dim, l, width)
     dinit = None
     if initial_state is not None:
         dinit = (torch.empty(b, dim, width - 1, device=x.device, dtype=initial_state.dtype) if r.has_initial_state

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from mambac.codegen import autotune, render_norm
-from mambac.codegen.conv_norm_ir import AddNormRegion, GatedNormRegion, pow2
+from mambac.codegen.conv_norm_ir import AddNormRegion, GatedNormRegion, pow2, stride_hints
 from mambac.codegen.kernel_ir import TileConfig
 from mambac.codegen.ssd_launch import Family, cdiv, run_family
 
@@ -56,18 +56,24 @@ def _rows(t: Optional[Tensor], n: int) -> Optional[Tensor]:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def _row_strides(N: int, **views: Optional[Tensor]) -> dict[str, int]:
+    """Kernel stride arguments (and the dense output row stride N) of the row views present."""
+    return {"N": N, **{name: v.stride(0) for name, v in views.items() if v is not None}}
+
+
 # ---- gated RMSNorm ------------------------------------------------------------------------------
 
-def gated_region(z: Optional[Tensor], group_size: int, norm_before_gate: bool) -> GatedNormRegion:
+def gated_region(z: Optional[Tensor], group_size: int, norm_before_gate: bool, **strides: int) -> GatedNormRegion:
     return GatedNormRegion(has_z=z is not None, norm_before_gate=bool(norm_before_gate) and z is not None,
-                           group_pow2=pow2(group_size))
+                           group_pow2=pow2(group_size), hints=stride_hints(**strides))
 
 
 def gated_forward(x: Tensor, weight: Tensor, z: Optional[Tensor], eps: float, group_size: int,
                   norm_before_gate: bool) -> Tensor:
-    r = gated_region(z, group_size, norm_before_gate)
     n = x.shape[-1]
     x2, z2 = _rows(x, n), _rows(z, n)
+    r = gated_region(z, group_size, norm_before_gate, N=n, sxm=x2.stride(0),
+                     **({} if z2 is None else {"szm": z2.stride(0)}))
     m = x2.shape[0]
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     dims = RowDims(m, n, group_size)
@@ -86,9 +92,10 @@ def gated_forward(x: Tensor, weight: Tensor, z: Optional[Tensor], eps: float, gr
 def gated_backward(dy: Tensor, x: Tensor, weight: Tensor, z: Optional[Tensor], eps: float, group_size: int,
                    norm_before_gate: bool):
     """(dx, dweight, dz or None)."""
-    r = gated_region(z, group_size, norm_before_gate)
     n = x.shape[-1]
     x2, z2, g2 = _rows(x, n), _rows(z, n), _rows(dy, n)
+    r = gated_region(z, group_size, norm_before_gate, N=n, sxm=x2.stride(0), sgm=g2.stride(0),
+                     **({} if z2 is None else {"szm": z2.stride(0)}))
     m = x2.shape[0]
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     dz = None if z is None else torch.empty(z.shape, device=z.device, dtype=z.dtype)
@@ -134,8 +141,9 @@ def _res_dtype(x: Tensor, residual_in_fp32: bool) -> torch.dtype:
 def add_forward(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
                 residual_in_fp32: bool) -> tuple[Tensor, Tensor]:
     n = x.shape[-1]
-    r = AddNormRegion(has_residual=residual is not None, width_pow2=pow2(n))
     x2, r2 = _rows(x, n), _rows(residual, n)
+    r = AddNormRegion(has_residual=residual is not None, width_pow2=pow2(n),
+                      hints=stride_hints(**_row_strides(N=n, sxm=x2, srm=r2)))
     m = x2.shape[0]
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     res_out = torch.empty(x.shape, device=x.device, dtype=_res_dtype(x, residual_in_fp32))
@@ -154,9 +162,10 @@ def add_backward(dout: Optional[Tensor], dres: Optional[Tensor], x: Tensor, resi
                  weight: Tensor, eps: float):
     """(dx, dresidual or None, dweight)."""
     n = x.shape[-1]
-    r = AddNormRegion(has_residual=residual is not None, width_pow2=pow2(n), has_dout=dout is not None,
-                      has_dres=dres is not None)
     x2, r2, g2, d2 = _rows(x, n), _rows(residual, n), _rows(dout, n), _rows(dres, n)
+    r = AddNormRegion(has_residual=residual is not None, width_pow2=pow2(n), has_dout=dout is not None,
+                      has_dres=dres is not None,
+                      hints=stride_hints(**_row_strides(N=n, sxm=x2, srm=r2, sgm=g2, sdm=d2)))
     m = x2.shape[0]
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     dresid = None if residual is None else torch.empty(residual.shape, device=x.device, dtype=residual.dtype)

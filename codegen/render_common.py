@@ -29,6 +29,15 @@ def file_header(w: Writer, kernel: str, summary: str, what: str, blank_lines: in
     w.lines("import triton", "import triton.language as tl", *[""] * blank_lines)
 
 
+def scaled(index: str, stride: str, hints=()) -> str:
+    """Text of the 1-D offsets ``index * stride``, marked as multiples of ``m`` when the region's
+    alignment hints say the stride argument is one (the hint must sit on an operation's result:
+    Triton drops it on a kernel argument)."""
+    m = dict(hints).get(stride)
+    text = f"(({index}) * {stride})"
+    return f"tl.multiple_of({text}, {m})" if m else text
+
+
 def emit_to_bf16(w: Writer, note_as_docstring: bool) -> None:
     """``_to_bf16``: fp32 -> bf16 rounding to nearest even, for the interpreter whose casts truncate
     (the note on it written as its docstring or as a comment)."""

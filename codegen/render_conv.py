@@ -15,27 +15,27 @@ The backward stores per-tile partial sums of dw and dbias (fp32); the launcher a
 from __future__ import annotations
 
 from mambac.codegen.conv_norm_ir import ConvRegion
-from mambac.codegen.render_common import file_header
+from mambac.codegen.render_common import file_header, scaled
 from mambac.codegen.writer import Writer
 
 FWD_NAME = "causal_conv1d_fwd"
 BWD_NAME = "causal_conv1d_bwd"
 
 
-def _emit_tile_setup(w: Writer) -> None:
+def _emit_tile_setup(w: Writer, r: ConvRegion) -> None:
     w.lines("pid_l = tl.program_id(0)", "pid_d = tl.program_id(1)", "bi64 = tl.program_id(2).to(tl.int64)",
             "offs_d = pid_d * BD + tl.arange(0, BD)", "m_d = offs_d < D",
-            "xb = x_ptr + bi64 * sxb + offs_d * sxd")
+            f"xb = x_ptr + bi64 * sxb + {scaled('offs_d', 'sxd', r.hints)}")
 
 
 def _full_load(r: ConvRegion, f: str) -> str:
     """Load text of ``full`` at full-time index expression ``f`` (a (BL,) vector) as fp32."""
     wm1 = r.width - 1
-    text = (f"tl.load(xb[:, None] + ({f} - {wm1})[None, :] * sxl, "
+    text = (f"tl.load(xb[:, None] + {scaled(f'{f} - {wm1}', 'sxl', r.hints)}[None, :], "
             f"mask=m_d[:, None] & ({f} >= {wm1})[None, :] & ({f} < L + {wm1})[None, :], other=0.0)"
             ".to(tl.float32)")
     if r.has_initial_state and wm1 > 0:
-        text += (f" + tl.load(ib[:, None] + ({f})[None, :] * sil, mask=m_d[:, None] & ({f} >= 0)[None, :]"
+        text += (f" + tl.load(ib[:, None] + {scaled(f, 'sil', r.hints)}[None, :], mask=m_d[:, None] & ({f} >= 0)[None, :]"
                  f" & ({f} < {wm1})[None, :], other=0.0).to(tl.float32)")
     return text
 
@@ -60,7 +60,7 @@ def _emit_weights(w: Writer, r: ConvRegion) -> None:
     for k in range(r.width):
         w.line(f"w_{k} = tl.load(w_ptr + offs_d * {r.width} + {k}, mask=m_d, other=0.0).to(tl.float32)")
     if r.has_initial_state:
-        w.line("ib = init_ptr + bi64 * sib + offs_d * sid")
+        w.line(f"ib = init_ptr + bi64 * sib + {scaled('offs_d', 'sid', r.hints)}")
 
 
 def render_forward(r: ConvRegion) -> str:
@@ -69,7 +69,7 @@ def render_forward(r: ConvRegion) -> str:
     file_header(w, FWD_NAME, r.summary(), "Causal depthwise conv1d: taps unrolled, bias, SiLU, final state.")
     w.line("@triton.jit")
     with w.block(f"def {FWD_NAME}({', '.join(_args(r, False))}):"):
-        _emit_tile_setup(w)
+        _emit_tile_setup(w, r)
         _emit_weights(w, r)
         w.line("offs_t = pid_l * BL + tl.arange(0, BL)")
         w.line("m_t = offs_t < L")
@@ -80,7 +80,8 @@ def render_forward(r: ConvRegion) -> str:
             w.line(f"acc += w_{k}[:, None] * ({_full_load(r, f'offs_t + {k}')})")
         if r.silu:
             w.line("acc = acc * tl.sigmoid(acc)")
-        w.line("tl.store(y_ptr + bi64 * sob + offs_d[:, None] * sod + offs_t[None, :] * sol, "
+        w.line(f"tl.store(y_ptr + bi64 * sob + {scaled('offs_d', 'sod', r.hints)}[:, None] + "
+               f"{scaled('offs_t', 'sol', r.hints)}[None, :], "
                "acc.to(y_ptr.dtype.element_ty), mask=m_d[:, None] & m_t[None, :])")
         if wm1 > 0:
             w.comment("final state: the last width-1 entries of full, from the first step tile")
@@ -103,9 +104,9 @@ def render_backward(r: ConvRegion) -> str:
                 "Causal conv1d backward: d(full) by a transposed conv of g = dy * act'(u), dw/dbias partials.")
     w.line("@triton.jit")
     with w.block(f"def {BWD_NAME}({', '.join(_args(r, True))}):"):
-        _emit_tile_setup(w)
+        _emit_tile_setup(w, r)
         _emit_weights(w, r)
-        w.line("gb = dy_ptr + bi64 * sgb + offs_d * sgd")
+        w.line(f"gb = dy_ptr + bi64 * sgb + {scaled('offs_d', 'sgd', r.hints)}")
         w.line("offs_m = pid_l * BL + tl.arange(0, BL)  # index into full = cat(init, x)")
         w.comment(f"full at offsets -{wm1}..+{wm1} from m (f_j is full_(m + j - {wm1}))")
         for j in range(2 * wm1 + 1):
@@ -114,7 +115,7 @@ def render_backward(r: ConvRegion) -> str:
         for k in range(width):
             w.comment(f"g at step m - {k}" + (" (pre-activation recomputed)" if r.silu else ""))
             w.line(f"q = offs_m - {k}")
-            w.line(f"g_{k} = tl.load(gb[:, None] + q[None, :] * sgl, mask=m_d[:, None] & (q >= 0)[None, :] "
+            w.line(f"g_{k} = tl.load(gb[:, None] + {scaled('q', 'sgl', r.hints)}[None, :], mask=m_d[:, None] & (q >= 0)[None, :] "
                    "& (q < L)[None, :], other=0.0).to(tl.float32)")
             if r.silu:
                 terms = " + ".join(f"w_{kk}[:, None] * f_{kk - k + wm1}" for kk in range(width))
@@ -127,7 +128,8 @@ def render_backward(r: ConvRegion) -> str:
             w.line(f"dfull += tl.load(dfinal_ptr + (bi64 * D + offs_d[:, None]) * {wm1} + j[None, :], "
                    f"mask=m_d[:, None] & (j >= 0)[None, :] & (j < {wm1})[None, :], other=0.0).to(tl.float32)")
         w.line(f"pos = offs_m - {wm1}")
-        w.line("tl.store(dx_ptr + bi64 * sob + offs_d[:, None] * sod + pos[None, :] * sol, "
+        w.line(f"tl.store(dx_ptr + bi64 * sob + {scaled('offs_d', 'sod', r.hints)}[:, None] + "
+               f"{scaled('pos', 'sol', r.hints)}[None, :], "
                "dfull.to(dx_ptr.dtype.element_ty), mask=m_d[:, None] & (pos >= 0)[None, :] & (pos < L)[None, :])")
         if r.has_initial_state and wm1 > 0:
             w.line(f"tl.store(dinit_ptr + (bi64 * D + offs_d[:, None]) * {wm1} + offs_m[None, :], "

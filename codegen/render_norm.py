@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from typing import Callable, Iterator
 
 from mambac.codegen.conv_norm_ir import AddNormRegion, GatedNormRegion
-from mambac.codegen.render_common import file_header
+from mambac.codegen.render_common import file_header, scaled
 from mambac.codegen.writer import Writer
 
 GATED_FWD, GATED_BWD = "gated_rmsnorm_fwd", "gated_rmsnorm_bwd"
@@ -32,7 +32,7 @@ def _rows_setup(w: Writer, cols: str, ncols: str, width: str) -> None:
 
 @contextlib.contextmanager
 def _norm_kernel(name: str, summary: str, what: str, args: list[str], cols: str, ncols: str, width: int,
-                 stats: Callable[[Writer], None]) -> Iterator[Writer]:
+                 stats: Callable[[Writer], None], hints=()) -> Iterator[Writer]:
     """Header, signature, row setup and ``stats`` (the loads and the norm) of a kernel over rows of
     ``ncols`` features (``cols``: their offsets, ``width``: the tile); its rest is written inside."""
     w = Writer()
@@ -40,6 +40,8 @@ def _norm_kernel(name: str, summary: str, what: str, args: list[str], cols: str,
     w.line("@triton.jit")
     with w.block(f"def {name}({', '.join(args)}):"):
         _rows_setup(w, cols, ncols, str(width))
+        for stride in [a for a in args if a in _ROW_STRIDES]:
+            w.line(f"ro_{stride} = {scaled('rows', stride, hints)}")
         stats(w)
         yield w
 
@@ -51,12 +53,17 @@ def _emit_norm_grads(w: Writer, ncols: str) -> None:
     w.line(f"dh = rstd[:, None] * (dn - n * (tl.sum(dn * n, 1) / {ncols})[:, None])")
 
 
+# row strides of the inputs (and N, the outputs' dense row stride): each row offset vector is
+# formed once, ro_<stride> = rows * stride, with the region's alignment hint
+_ROW_STRIDES = ("N", "sxm", "szm", "sgm", "srm", "sdm")
+
+
 def _load(ptr: str, stride: str) -> str:
-    return f"tl.load({ptr} + rows[:, None] * {stride} + cols[None, :], mask=mask, other=0.0).to(tl.float32)"
+    return f"tl.load({ptr} + ro_{stride}[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)"
 
 
 def _store(ptr: str, value: str) -> str:
-    return (f"tl.store({ptr} + rows[:, None] * N + cols[None, :], ({value}).to({ptr}.dtype.element_ty), "
+    return (f"tl.store({ptr} + ro_N[:, None] + cols[None, :], ({value}).to({ptr}.dtype.element_ty), "
             "mask=mask)")
 
 
@@ -86,7 +93,7 @@ def _gated_kernel(r: GatedNormRegion, backward: bool) -> AbstractContextManager[
     name, what = ((GATED_BWD, "Backward of the grouped, gated RMSNorm (statistics recomputed).") if backward else
                   (GATED_FWD, "Grouped RMSNorm with an optional SiLU gate, one group per program."))
     return _norm_kernel(name, r.summary(), what, _gated_args(r, backward), "tl.program_id(1) * G + offs", "G",
-                        r.group_pow2, lambda w: _emit_gated_stats(w, r))
+                        r.group_pow2, lambda w: _emit_gated_stats(w, r), r.hints)
 
 
 def render_gated_forward(r: GatedNormRegion) -> str:
@@ -138,7 +145,7 @@ def _add_kernel(r: AddNormRegion, backward: bool) -> AbstractContextManager[Writ
     name, what = ((ADD_BWD, "Backward of residual add + RMSNorm (statistics recomputed).") if backward else
                   (ADD_FWD, "Residual add then RMSNorm: (rmsnorm(x + residual) * w, x + residual)."))
     return _norm_kernel(name, r.summary(), what, _add_args(r, backward), "offs", "N", r.width_pow2,
-                        lambda w: _emit_add_stats(w, r))
+                        lambda w: _emit_add_stats(w, r), r.hints)
 
 
 def render_add_forward(r: AddNormRegion) -> str:

@@ -72,6 +72,41 @@ def test_causal_conv1d_kernels(width, bias, init, act, dtype, channels_last):
 
 
 @pytest.mark.interp
+def test_kernels_on_slices_with_8_aligned_rows():
+    """The mixers' layout: conv input and gate are slices of one projection output whose row stride
+    (40 here, 3352 in the 130M model) is a multiple of 8 but not of 16.  The regions record the
+    alignment (so the GPU loads stay vectorised), the source marks those offsets, and the results
+    still match the float64 referee."""
+    gen = torch.Generator().manual_seed(11)
+    b, l, d = 2, 21, 24
+    proj = torch.randn(b, l, 40, generator=gen)
+    x = proj[..., 8:32].transpose(1, 2)  # (b, d, l) view, channels innermost, time stride 40
+    w, bb = torch.randn(d, 4, generator=gen), torch.randn(d, generator=gen)
+    gy, gf = torch.randn(b, d, l, generator=gen), torch.randn(b, d, 3, generator=gen)
+    region = conv_kernels.region_of(w, bb, None, "silu", x=x, o=x)
+    hints = dict(region.hints)
+    assert hints["sxl"] == 8 and hints["sol"] == 8 and "sxd" not in hints and "align=[" in region.summary()
+    src = render_conv.render_backward(region)
+    assert "tl.multiple_of(((offs_m + 0 - 3) * sxl), 8)" in src and "tl.multiple_of(((q) * sgl)" not in src
+    (y_ref, _), grads_ref = _referee(lambda *a: conv_ref(*a, "silu"), [x, w, bb, None], [gy, gf])
+    y, _ = conv_kernels.conv_forward(x, w, bb, None, "silu")
+    _check("y", y, y_ref, torch.float32)
+    for name, g, r in zip(("dx", "dweight", "dbias"), conv_kernels.conv_backward(gy, gf, x, w, bb, None, "silu"),
+                          grads_ref):
+        _check(name, g, r, torch.float32)
+    z = proj[..., 8:32]  # (b, l, 24) rows of stride 40
+    xn, wn, gn = torch.randn(b, l, d, generator=gen), torch.randn(d, generator=gen), torch.randn(b, l, d, generator=gen)
+    assert dict(norm_kernels.gated_region(z, 12, False, szm=40, N=24).hints) == {"szm": 8, "N": 8}
+    assert "ro_szm = tl.multiple_of(((rows) * szm), 8)" in render_norm.render_gated_backward(
+        norm_kernels.gated_region(z, 12, False, szm=40))
+    (yn_ref,), (dx_r, dw_r, dz_r) = _referee(lambda a, c, e: gated_ref(a, c, e, 1e-5, 12, False), [xn, wn, z], [gn])
+    _check("norm y", norm_kernels.gated_forward(xn, wn, z, 1e-5, 12, False), yn_ref, torch.float32)
+    for name, g, r in zip(("dx", "dweight", "dz"), norm_kernels.gated_backward(gn, xn, wn, z, 1e-5, 12, False),
+                          (dx_r, dw_r, dz_r)):
+        _check("norm " + name, g, r, torch.float32)
+
+
+@pytest.mark.interp
 @pytest.mark.parametrize("gate,group,dtype", [
     ("before", 6, torch.float32), ("after", 18, torch.float32), ("none", 18, torch.bfloat16),
     ("before", 9, torch.bfloat16),
