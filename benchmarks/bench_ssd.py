@@ -233,23 +233,28 @@ def time_parts(cg, shape: dict) -> None:
                     None, q, True, 0.0, math.inf)
     states, dtp, cs = fk.run_chunk_state(pr)
     sin, _ = fk.run_state_pass(pr, states, cs)
-    saved = fk.SSDSaved(dtp=dtp, cs=cs, sin=sin)
+    cb = fk.run_chunk_cb(pr)
+    saved = fk.SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
     dy = torch.randn_like(ins["x"])
     dst = bk.run_dstate(pr, dy, cs)
     dfin = torch.zeros(s["b"], s["h"], s["p"], s["n"], device=DEV)
     dsout, _, dtot = bk.run_state_pass_bwd(pr, dst, saved, dfin)
     _, ddtd, _ = bk.run_dx(pr, dy, saved, dsout)
-    _, *c_side = bk.run_dbc(pr, "c", dy, saved, sin)
-    _, *b_side = bk.run_dbc(pr, "b", dy, saved, dsout)
-    parts = [("fwd chunk_state", lambda: fk.run_chunk_state(pr)),
+    dcb, mrow, mcol, tile = bk.run_dcb(pr, dy, saved)
+    _, es = bk.run_dbc(pr, "c", dy, saved, sin, dcb)
+    _, v = bk.run_dbc(pr, "b", dy, saved, dsout, dcb)
+    c_side, b_side = (es, mrow, (tile, tile)), (v, mcol, (tile, tile))
+    parts = [("fwd chunk_cb", lambda: fk.run_chunk_cb(pr)),
+             ("fwd chunk_state", lambda: fk.run_chunk_state(pr)),
              ("fwd state_pass", lambda: fk.run_state_pass(pr, states, cs)),
-             ("fwd chunk_scan", lambda: fk.run_chunk_scan(pr, dtp, cs, sin)),
+             ("fwd chunk_scan", lambda: fk.run_chunk_scan(pr, dtp, cs, sin, cb)),
              ("bwd chunk_dstate", lambda: bk.run_dstate(pr, dy, cs)),
              ("bwd state_pass", lambda: bk.run_state_pass_bwd(pr, dst, saved, dfin)),
              ("bwd dx", lambda: bk.run_dx(pr, dy, saved, dsout)),
-             ("bwd dc", lambda: bk.run_dbc(pr, "c", dy, saved, sin)),
-             ("bwd db", lambda: bk.run_dbc(pr, "b", dy, saved, dsout)),
-             ("bwd dt", lambda: bk.run_dt_backward(pr, saved, ddtd, tuple(c_side), tuple(b_side), dtot))]
+             ("bwd dcb", lambda: bk.run_dcb(pr, dy, saved)),
+             ("bwd dc", lambda: bk.run_dbc(pr, "c", dy, saved, sin, dcb)),
+             ("bwd db", lambda: bk.run_dbc(pr, "b", dy, saved, dsout, dcb)),
+             ("bwd dt", lambda: bk.run_dt_backward(pr, saved, ddtd, c_side, b_side, dtot))]
     for name, fn in parts:
         try:
             rec(f"S1 part {name} us", round(bench_ms(fn) * 1e3, 1))

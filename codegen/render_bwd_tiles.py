@@ -7,23 +7,22 @@ W_ts = G_ts L_ts dt'_s:
 * ``ssd_dx``  per (source tile s, chunk, batch*head block):
       acc_s = exp(cs_end - cs_s) B_s dS^T + sum_{t>=s} (B_s.C_t) L_ts dy_t
       dx_s = dt'_s acc_s + D dy_s,   ddt_direct_s = x_s.acc_s
-  ``heads`` heads of one group per program (unrolled) share each B C^T tile.
+  ``heads`` heads of one group per program (unrolled); B_s.C_t comes from ``ssd_chunk_cb``.
 * ``ssd_dc``  per (target tile t, chunk, batch*group*split): sum over the split's heads of
-      exp(cs_t) dy_t S_in + sum_{s<=t} W_ts B_s
+      exp(cs_t) dy_t S_in,  plus  sum_{s<=t} dCB_ts B_s  (first split only)
 * ``ssd_db``  per (source tile s, ...): sum over heads of
-      dt'_s exp(cs_end - cs_s) x_s dS + sum_{t>=s} W_ts C_t
-  B and C are shared by a group's heads, so W is summed over heads before the matmul.
+      dt'_s exp(cs_end - cs_s) x_s dS,  plus  sum_{t>=s} dCB_ts C_t
+  where dCB = sum over the group's heads of W (``render_bwd_pairs.ssd_dcb``): B and C are shared
+  by a group's heads, so W is summed before the matmul.
 
-Rows come in tiles of BT, partners in tiles of BS (BS divides BT).  Both also write the pieces
-of the cumsum gradient, per head, from the same fp32 pair terms M_ts = W_ts (C_t.B_s): row sums
-(dc, one slot per partner tile), column sums (db, likewise), the output
-state term exp(cs_t) dy_t.(S_in C_t) (dc) and the chunk-state term v_s (db).  Every pair term
-enters once with + and once with -, so the reverse cumsum in ``ssd_dt_backward`` cancels them in
-fp32 arithmetic; a formulation through y and dt'*ddt would cancel bf16 rounding noise instead.
+Rows come in tiles of BT, partners in tiles of BS.  The kernels also write the state paths'
+pieces of the cumsum gradient, per head: exp(cs_t) dy_t.(S_in C_t) (dc) and the chunk-state
+term v_s (db); the pair terms' pieces come from ``ssd_dcb``.
 """
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
+from mambac.codegen.render_fwd import cb_tile
 from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, emit_dims,
                                           emit_positions, header, seq_tile, state_tile, to_io)
 from mambac.codegen.writer import Writer
@@ -34,7 +33,7 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
     q, io = r.chunk_size, r.tl_io
     w = Writer()
     header(w, "ssd_dx", r, f"Backward for x (and dt, D) with {heads} head(s) per program.")
-    args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
+    args = ["x_ptr", "b_ptr", "cb_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
     args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr", "ddtd_ptr", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg", "BM: tl.constexpr",
              "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
@@ -45,6 +44,7 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
                 f"h0 = (pid_bh % (H // {heads})) * {heads}", "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
         emit_positions(w, "s", "pid_m * BM", "BM", q)
         emit_dims(w)
+        w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
         w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
         w.comment("path through the state leaving the chunk")
         for j in range(heads):
@@ -57,10 +57,9 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
         w.comment("intra-chunk path: targets t >= s")
         with w.block(f"for k0 in range((pid_m * BM) // BK * BK, {q}, BK):"):
             emit_positions(w, "t", "k0", "BK", q)
-            w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n",
-                                       "v_t", "m_n"))
-            w.line(f"cbt = {dot(r, 'b_s', 'tl.trans(c_t)')}")
             w.line("causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
+            w.comment("B_s.C_t: the transposed tile of ssd_chunk_cb's product")
+            w.line("cbt = " + cb_tile(q, "t[None, :]", "s[:, None]", f"(t < {q})[None, :] & (s < {q})[:, None]"))
             for j in range(heads):
                 w.line(f"cs_t = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
                 w.line(f"wj = cbt * tl.exp(tl.where(causal, cs_t[None, :] - cs_s_{j}[:, None], {NEG}))")
@@ -91,20 +90,19 @@ def _dx_epilogue(w: Writer, r: SSDRegion, j: int) -> None:
     w.line(dense_store("dx_ptr", "pos_s", h, "v_s", to_io(r, "dx")))
 
 
-def render_dbc(r: SSDRegion, which: str, unroll: int = 1) -> str:
-    """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows); the head loop
-    of the pair path handles ``unroll`` heads per iteration (it must divide the split's heads)."""
+def render_dbc(r: SSDRegion, which: str) -> str:
+    """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows)."""
     if which not in ("b", "c"):
         raise ValueError("which must be 'b' or 'c'")
     q = r.chunk_size
     name, own, other = f"ssd_d{which}", which, ("b" if which == "c" else "c")
     w = Writer()
-    header(w, name, r, f"Backward for {which.upper()} per group (summed over a split's heads), "
-           f"and the cumsum-gradient pieces of its side; {unroll} head(s) per pair-loop step.")
+    header(w, name, r, f"Backward for {which.upper()} per group (the state path summed over a split's "
+           "heads, the pair path from ssd_dcb), and the state path's cumsum-gradient piece.")
     args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr", "dtp_ptr", "cs_ptr",
-            "sin_ptr" if which == "c" else "dsout_ptr", "out_ptr",
-            "es_ptr" if which == "c" else "v_ptr", "pair_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
-            "HS", "NT", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg",
+            "sin_ptr" if which == "c" else "dsout_ptr", "dcb_ptr", "out_ptr",
+            "es_ptr" if which == "c" else "v_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
+            "HS", "NS", "DS", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg",
             "BT: tl.constexpr", "BS: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
     rows = "t" if which == "c" else "s"
     w.line("@triton.jit")
@@ -124,7 +122,7 @@ def render_dbc(r: SSDRegion, which: str, unroll: int = 1) -> str:
                 _dc_state_path(w, r)
             else:
                 _db_state_path(w, r)
-        _dbc_pairs(w, r, which, own, other, unroll)
+        _dbc_pairs(w, r, which, other)
         w.line(f"out = out_ptr + ((bi64 * L + pos_{rows}[:, None]) * HS + hs) * G * N + g * N"
                " + offs_n[None, :]")
         w.line(f"tl.store(out, acc, mask=v_{rows}[:, None] & m_n[None, :])")
@@ -153,46 +151,25 @@ def _db_state_path(w: Writer, r: SSDRegion) -> None:
     w.line(f"tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=s < {q})")
 
 
-def _dbc_pairs(w: Writer, r: SSDRegion, which: str, own: str, other: str, unroll: int) -> None:
-    """Partner tiles: per head the pair weights W (and their M sums), then one matmul."""
+def _dbc_pairs(w: Writer, r: SSDRegion, which: str, other: str) -> None:
+    """Partner tiles: dCB (from ``ssd_dcb``: its NS split parts, DS apart, summed here) times the
+    other side's tile; added by the first split of this kernel only."""
     q = r.chunk_size
-    part, rows = ("s", "t") if which == "c" else ("t", "s")
+    part = "s" if which == "c" else "t"
     loop = ("for k0 in range(0, pid_m * BT + BT, BS):" if which == "c"
-            else f"for k0 in range(pid_m * BT, {q}, BS):")
+            else f"for k0 in range((pid_m * BT) // BS * BS, {q}, BS):")
     w.comment("intra-chunk path: " + ("sources s <= t" if which == "c" else "targets t >= s"))
-    with w.block(loop):
-        emit_positions(w, part, "k0", "BS", q)
-        w.line(f"{other}_p = " + seq_tile(f"{other}_ptr", f"bi64 * s{other}b + g * s{other}g",
-                                          f"pos_{part}", f"s{other}l", "offs_n", f"v_{part}", "m_n"))
-        w.line(f"cb = {dot(r, f'{own}_r', f'tl.trans({other}_p)')}  # C_t.B_s, rows = {rows}")
-        w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]" if which == "c"
-               else "causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
-        w.line("wsum = tl.zeros((BT, BS), dtype=tl.float32)")
-        w.comment(f"{unroll} head(s) per iteration: independent loads and matmuls in flight")
-        with w.block(f"for h0 in range(hbase, hbase + hps, {unroll}):"):
-            for j in range(unroll):
-                _dbc_pair_head(w, r, which, rows, f"h0 + {j}")
-        w.line(f"acc = {dot(r, to_io(r, 'wsum'), f'{other}_p', 'acc')}")
-
-
-def _dbc_pair_head(w: Writer, r: SSDRegion, which: str, rows: str, hh: str) -> None:
-    """One head's pair weights for the current partner tile: into wsum and the M sums."""
-    q = r.chunk_size
-    w.line(f"row = (bi64 * H + {hh}) * (NC * {q}) + pid_c * {q}")
-    w.line(f"cs_t = tl.load(cs_ptr + row + t, mask=t < {q}, other=0.0)")
-    w.line(f"cs_s = tl.load(cs_ptr + row + s, mask=s < {q}, other=0.0)")
-    w.line(f"dt_s = tl.load(dtp_ptr + row + s, mask=s < {q}, other=0.0)")
-    w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", hh, "v_t"))
-    w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({hh}) * sxh", "pos_s", "sxl", "offs_p",
-                               "v_s", "m_p"))
-    if which == "c":
-        w.line(f"gm = {dot(r, 'dy_t', 'tl.trans(x_s)')}")
-        w.line(f"wj = gm * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], {NEG}))"
-               " * dt_s[None, :]")
-    else:
-        w.line(f"gm = {dot(r, 'x_s', 'tl.trans(dy_t)')}")
-        w.line(f"wj = gm * tl.exp(tl.where(causal, cs_t[None, :] - cs_s[:, None], {NEG}))"
-               " * dt_s[:, None]")
-    w.line("wsum += wj")
-    w.line(f"tl.store(pair_ptr + (row + {rows}) * NT + k0 // BS, tl.sum(wj * cb, 1), "
-           f"mask=({rows} < {q}) & (k0 < {q}))")
+    w.line(f"cb_base = ((bi64 * NC + pid_c) * G + g) * {q * q}")
+    with w.block("if hs == 0:"):
+        with w.block(loop):
+            emit_positions(w, part, "k0", "BS", q)
+            w.line(f"{other}_p = " + seq_tile(f"{other}_ptr", f"bi64 * s{other}b + g * s{other}g",
+                                              f"pos_{part}", f"s{other}l", "offs_n", f"v_{part}", "m_n"))
+            if which == "c":
+                at, inside = f"t[:, None] * {q} + s[None, :]", f"(t < {q})[:, None] & (s < {q})[None, :]"
+            else:
+                at, inside = f"t[None, :] * {q} + s[:, None]", f"(t < {q})[None, :] & (s < {q})[:, None]"
+            w.line(f"dcb = tl.load(dcb_ptr + cb_base + {at}, mask={inside}, other=0.0)")
+            with w.block("for sp in range(1, NS):"):
+                w.line(f"dcb += tl.load(dcb_ptr + sp * DS + cb_base + {at}, mask={inside}, other=0.0)")
+            w.line(f"acc = {dot(r, to_io(r, 'dcb'), f'{other}_p', 'acc')}")

@@ -1,16 +1,20 @@
 """Renderers of the SSD forward kernels (and of their two shapes reused by the backward).
 
-Forward = three launches:
+Forward = four launches:
 
-1. ``ssd_chunk_state``  per (chunk, batch*head, headdim tile): dt prologue, dA cumsum (stored for
-   the other kernels), and the chunk's own state  sum_s x_s B_s^T dt_s exp(cs_end - cs_s).
-2. ``ssd_state_pass``   per (batch*head, state tile), sequential over chunks: the state entering
-   each chunk (initial state in, final state out).
-3. ``ssd_chunk_scan``   per (row tile, chunk, batch*head block): y = exp(cs_t) C_t S_in
-   + sum_{s<=t} (C_t.B_s) exp(cs_t - cs_s) dt_s x_s, then the D skip and the z gate.  A program
-   handles ``heads`` heads of one group, unrolled, so each C B^T tile is computed once for all.
+* ``ssd_chunk_cb``     per (tile pair, chunk, batch*group): CB_ts = C_t.B_s inside each chunk, in
+  fp32 (zeros above the diagonal).  B and C are shared by a group's heads, so the chunk scan (and
+  the backward's dx) read this product instead of forming it again for every head.
+* ``ssd_chunk_state``  per (chunk, batch*head, headdim tile): dt prologue, dA cumsum (stored for
+  the other kernels), and the chunk's own state  sum_s x_s B_s^T dt_s exp(cs_end - cs_s).
+* ``ssd_state_pass``   per (batch*head, state tile), sequential over chunks: the state entering
+  each chunk (initial state in, final state out).
+* ``ssd_chunk_scan``   per (row tile, chunk, batch*head block): y = exp(cs_t) C_t S_in
+  + sum_{s<=t} (C_t.B_s) exp(cs_t - cs_s) dt_s x_s, then the D skip and the z gate, for
+  ``heads`` heads of one group per program (unrolled).
 
-``ssd_chunk_state`` in mode "dstate" is the backward's  sum_t exp(cs_t) dy_t C_t^T, and
+``ssd_chunk_cb`` fills tile pairs above the diagonal with zeros (no matmul), so every reader may
+load whole tiles.  ``ssd_chunk_state`` in mode "dstate" is the backward's  sum_t exp(cs_t) dy_t C_t^T, and
 ``ssd_chunk_scan`` in mode "gate_backward" recomputes y to give dz and the gated dy.
 """
 from __future__ import annotations
@@ -63,7 +67,7 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward") -> str:
         with w.block(f"for k0 in range(0, {q}, BT):"):
             emit_positions(w, "s", "k0", "BT", q)
             if fwd:
-                _chunk_state_forward_body(w, r, q)
+                chunk_state_block(w, r, q)
             else:
                 _chunk_state_dstate_body(w, r, q)
         out = "states_ptr" if fwd else "dst_ptr"
@@ -72,7 +76,9 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward") -> str:
     return w.source()
 
 
-def _chunk_state_forward_body(w: Writer, r: SSDRegion, q: int) -> None:
+def chunk_state_block(w: Writer, r: SSDRegion, q: int) -> None:
+    """One block of BT steps of a chunk's state: dt prologue, the running dA cumsum (stored where
+    ``lim`` allows), and the rescaled x^T (B w)."""
     w.line("d = tl.load(dt_ptr + bi64 * sdb + pos_s * sdl + h * sdh, mask=v_s, other=0.0)"
            ".to(tl.float32)")
     w.comment("prologue, then zero outside the sequence so padded steps neither add nor decay")
@@ -124,6 +130,41 @@ def render_state_pass(r: SSDRegion) -> str:
     return w.source()
 
 
+def render_chunk_cb(r: SSDRegion) -> str:
+    """Kernel 0: C_t.B_s inside each chunk, per group, (batch, chunk, group, q, q) fp32."""
+    q = r.chunk_size
+    w = Writer()
+    header(w, "ssd_chunk_cb", r, "C B^T inside each chunk, once per group (shared by its heads).")
+    args = ["b_ptr", "c_ptr", "cb_ptr", "L", "G", "NC", "N", "sbb", "sbl", "sbg", "scb", "scl", "scg",
+            "BM: tl.constexpr", "BK: tl.constexpr", "NP: tl.constexpr"]
+    w.line("@triton.jit")
+    with w.block(f"def ssd_chunk_cb({', '.join(args)}):"):
+        w.lines(f"nk = {q} // BK + ({q} % BK > 0)", "pid_m = tl.program_id(0) // nk",
+                "pid_k = tl.program_id(0) % nk", "pid_c = tl.program_id(1)", "pid_bg = tl.program_id(2)",
+                "bi64 = (pid_bg // G).to(tl.int64)", "g = pid_bg % G",
+                "offs_n = tl.arange(0, NP)", "m_n = offs_n < N")
+        emit_positions(w, "t", "pid_m * BM", "BM", q)
+        emit_positions(w, "s", "pid_k * BK", "BK", q)
+        w.comment("tile pairs wholly above the diagonal hold zeros: readers then load whole tiles")
+        w.comment("(unmasked along s, so vectorised) and the decay factor masks the rest")
+        with w.block("if pid_k * BK < pid_m * BM + BM:"):
+            w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
+            w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
+            w.line(f"cb = {dot(r, 'c_t', 'tl.trans(b_s)')}")
+        with w.block("else:"):
+            w.line("cb = tl.zeros((BM, BK), dtype=tl.float32)")
+        w.line(f"base = ((bi64 * NC + pid_c) * G + g) * {q * q}")
+        w.line(f"tl.store(cb_ptr + base + t[:, None] * {q} + s[None, :], cb, "
+               f"mask=(t < {q})[:, None] & (s < {q})[None, :])")
+    return w.source()
+
+
+def cb_tile(q: int, rows: str, cols: str, inside: str) -> str:
+    """Load text of a tile of this chunk's C B^T (``rows``/``cols`` index t and s; ``inside``
+    masks positions past the chunk only, so the load stays vectorised)."""
+    return f"tl.load(cb_ptr + cb_base + {rows} * {q} + {cols}, mask={inside}, other=0.0)"
+
+
 def chunk_scan_name(mode: str) -> str:
     return "ssd_chunk_scan" if mode == "forward" else "ssd_gate_backward"
 
@@ -139,7 +180,7 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
     header(w, name, r, f"Chunk output for {heads} head(s) per program"
            + (": y = C S_in + masked (C B^T) x, D skip, z gate." if mode == "forward"
               else ": recompute y, then dz and dy = dy_out * silu(z)."))
-    args = ["x_ptr", "b_ptr", "c_ptr"] + (["z_ptr"] if r.has_z else [])
+    args = ["x_ptr", "cb_ptr", "c_ptr"] + (["z_ptr"] if r.has_z else [])
     args += ["d_ptr"] if r.d_mode != "none" else []
     args += ["y_ptr"] if mode == "forward" else ["dyo_ptr", "dz_ptr", "dy_ptr"]
     args += ["dtp_ptr", "cs_ptr", "sin_ptr", "L", "H", "HPG", "NC", "P", "N",
@@ -153,6 +194,7 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
                 "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
         emit_positions(w, "t", "pid_m * BM", "BM", q)
         emit_dims(w)
+        w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
         w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
         w.comment("contribution of the state entering the chunk")
         for j in range(heads):
@@ -160,13 +202,11 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
             w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
             w.line(f"st_{j} = " + state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True))
             w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}.to({io})')} * tl.exp(cs_t_{j})[:, None]")
-        w.comment("causal intra-chunk part; C B^T is shared by the heads of this program")
+        w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
         with w.block("for k0 in range(0, pid_m * BM + BM, BK):"):
             emit_positions(w, "s", "k0", "BK", q)
-            w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n",
-                                       "v_s", "m_n"))
-            w.line(f"cb = {dot(r, 'c_t', 'tl.trans(b_s)')}")
             w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
+            w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", f"(t < {q})[:, None] & (s < {q})[None, :]"))
             for j in range(heads):
                 w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
                 w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask=s < {q}, other=0.0)")

@@ -1,12 +1,13 @@
 """Generated-kernel implementation of ``mambac::ssd``: forward launcher and CUDA registration.
 
-``ssd_forward`` runs the three forward kernels of ``render_fwd`` (see there for what each does)
+``ssd_forward`` runs the four forward kernels of ``render_fwd`` (see there for what each does)
 for the region its arguments describe; ``ssd_backward`` (``ssd_kernels_bwd.py``) the backward.
 ``mambac.codegen.wiring`` registers both as the device kernels of ``mambac::ssd``; calls the
 kernels cannot take (float64, CPU tensors outside the interpreter) run the op's reference.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -17,9 +18,10 @@ from torch import Tensor
 from mambac.codegen import render_fwd
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import IO_DTYPES, SSDRegion, TileConfig, region_for
-from mambac.codegen.ssd_launch import (Dims, Family, cdiv, chunk_state_candidates,
+from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_state_candidates,
                                        head_block_candidates, run_family, state_pass_candidates)
 
+CHUNK_CB = Family("ssd_chunk_cb", lambda r, c: render_fwd.render_chunk_cb(r), cb_candidates)
 CHUNK_STATE = Family("ssd_chunk_state", lambda r, c: render_fwd.render_chunk_state(r, "forward"),
                      chunk_state_candidates)
 STATE_PASS = Family("ssd_state_pass", lambda r, c: render_fwd.render_state_pass(r),
@@ -33,12 +35,15 @@ class SSDSaved:
     """Forward intermediates the backward can reuse instead of recomputing.
 
     dtp, cs: (batch, heads, nchunks*chunk) fp32; sin: states entering each chunk (batch,
-    nchunks, heads, headdim, dstate) in the io dtype.
+    nchunks, heads, headdim, dstate) in the io dtype; cb: C B^T per chunk and group (batch,
+    nchunks, groups, chunk, chunk) fp32, or None (autograd does not keep it: ``with_cb`` forms it
+    again in the backward, one cheap launch).
     """
 
     dtp: Tensor
     cs: Tensor
     sin: Tensor
+    cb: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,25 @@ def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
     return states, dtp, cs
 
 
+def run_chunk_cb(pr: Prepared) -> Tensor:
+    """Kernel 0: C B^T inside each chunk, per group, fp32 (causal tile pairs only)."""
+    d, r = pr.dims, pr.region
+    cb = torch.empty(d.b, d.nc, d.g, d.q, d.q, device=pr.x.device, dtype=torch.float32)
+
+    def launch(kern, cfg: TileConfig) -> None:
+        grid = (cdiv(d.q, cfg.block_m) * cdiv(d.q, cfg.block_k), d.nc, d.b * d.g)
+        kern.launch(grid, [pr.B, pr.C, cb, d.l, d.g, d.nc, d.n] + strides3(pr.B) + strides3(pr.C),
+                    dict(BM=cfg.block_m, BK=cfg.block_k, NP=d.np_), cfg.num_warps, cfg.num_stages)
+
+    run_family(CHUNK_CB, r, d, launch)
+    return cb
+
+
+def with_cb(pr: Prepared, saved: "SSDSaved") -> "SSDSaved":
+    """``saved`` with its C B^T formed if it has none."""
+    return saved if saved.cb is not None else dataclasses.replace(saved, cb=run_chunk_cb(pr))
+
+
 def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Tensor]:
     """Kernel 2: the state entering each chunk (io dtype) and the final state (fp32)."""
     d, r = pr.dims, pr.region
@@ -132,11 +156,11 @@ def scan_args(pr: Prepared) -> list:
     return out + (strides3(pr.z) if pr.region.has_z else [])
 
 
-def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor) -> Tensor:
+def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tensor) -> Tensor:
     """Kernel 3: y for every chunk, with the D skip and z gate fused."""
     d, r = pr.dims, pr.region
     y = torch.empty(d.b, d.l, d.h, d.p, device=pr.x.device, dtype=pr.x.dtype)
-    head = [pr.x, pr.B, pr.C] + ([pr.z] if r.has_z else []) + ([pr.D] if pr.D is not None else [])
+    head = [pr.x, cb, pr.C] + ([pr.z] if r.has_z else []) + ([pr.D] if pr.D is not None else [])
 
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
@@ -149,10 +173,11 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor) -> Tensor
 
 
 def forward_prepared(pr: Prepared) -> tuple[Tensor, Tensor, SSDSaved]:
+    cb = run_chunk_cb(pr)
     states, dtp, cs = run_chunk_state(pr)
     sin, final = run_state_pass(pr, states, cs)
-    y = run_chunk_scan(pr, dtp, cs, sin)
-    return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin)
+    y = run_chunk_scan(pr, dtp, cs, sin, cb)
+    return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
 
 
 def ssd_forward(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,

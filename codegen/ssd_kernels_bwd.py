@@ -4,12 +4,13 @@
 (x, dt, A, B, C, D, z, dt_bias, initial_state), None where an input is absent.  Launch order:
 
     [chunk_state, state_pass]   only when the forward's intermediates were not kept
+    chunk_cb                    C B^T per chunk and group (autograd does not keep it)
     gate_backward               with z: recomputes y; gives dz and the gated dy
     chunk_dstate                per chunk: sum_t exp(cs_t) dy_t C_t^T
     state_pass_bwd              reverse passing: dS per chunk, d initial state, d(total decay)
     dx                          dx, the direct part of ddt, dD parts
-    dc, db                      dC, dB per group (head weights summed before the matmul), and
-                                the pieces of the cumsum gradient
+    dcb                         pair weights summed over each group's heads, their per-head sums
+    dc, db                      dC, dB per group (state paths per head, dcb times B or C)
     dt_backward                 reverse cumsum, prologue backward: ddt, dA and dt_bias parts
 """
 from __future__ import annotations
@@ -20,11 +21,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mambac.codegen import render_bwd, render_bwd_tiles, render_fwd
+from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
 from mambac.codegen.kernel_ir import TileConfig
 from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_prepared, prepare,
-                                        run_chunk_state, run_state_pass, scan_args, strides3)
-from mambac.codegen.ssd_launch import (Family, cdiv, dstate_candidates, dx_candidates,
+                                        run_chunk_state, run_state_pass, scan_args, strides3, with_cb)
+from mambac.codegen.ssd_launch import (Family, cdiv, dcb_candidates, dstate_candidates, dx_candidates,
                                        group_candidates, head_block_candidates, pow2, run_family, single_candidate,
                                        state_pass_candidates)
 
@@ -36,8 +37,9 @@ GATE_BWD = Family("ssd_gate_backward",
                   lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "gate_backward"),
                   head_block_candidates)
 DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), dx_candidates)
-DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c", c.heads), group_candidates)
-DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b", c.heads), group_candidates)
+DCB = Family(render_bwd_pairs.NAME, lambda r, c: render_bwd_pairs.render_dcb(r, c.heads), dcb_candidates)
+DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c"), group_candidates)
+DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b"), group_candidates)
 DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r), single_candidate)
 
 
@@ -50,7 +52,7 @@ def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Te
     """dz and the gated dy (io dtype)."""
     d, r = pr.dims, pr.region
     dz, dy = _dense_out(pr, r.torch_io), _dense_out(pr, r.torch_io)
-    head = [pr.x, pr.B, pr.C, pr.z] + ([pr.D] if pr.D is not None else [])
+    head = [pr.x, saved.cb, pr.C, pr.z] + ([pr.D] if pr.D is not None else [])
 
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
@@ -103,7 +105,7 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
         nm = cdiv(d.q, cfg.block_m)
         dshape = (d.b, d.nc, nm, d.h) + ((d.p,) if r.d_mode == "head_dim" else ())
         dd = torch.empty(dshape, device=dy.device, dtype=torch.float32) if pr.D is not None else None
-        args = [pr.x, pr.B, pr.C, dy] + ([pr.D, dd] if pr.D is not None else [])
+        args = [pr.x, pr.B, saved.cb, dy] + ([pr.D, dd] if pr.D is not None else [])
         args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
@@ -115,26 +117,44 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
     return dx, ddtd, dd
 
 
-def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor):
-    """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving) in fp32, with
-    the per-head cumsum-gradient pieces: (dBC, es or v, pair sums, pair tile size)."""
+def run_dcb(pr: Prepared, dy: Tensor, saved: SSDSaved) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The pair weights summed over each split of each group's heads (splits, batch, chunk, group,
+    q, q) fp32, and the per-head row and column sums of the pair terms: (dcb parts, row sums,
+    column sums, tile size)."""
+    d = pr.dims
+
+    def launch(kern, cfg: TileConfig):
+        nt = cdiv(d.q, cfg.block_m)
+        dcb = torch.empty(cfg.splits, d.b, d.nc, d.g, d.q, d.q, device=dy.device, dtype=torch.float32)
+        mrow = torch.empty(saved.cs.shape + (nt,), device=dy.device, dtype=torch.float32)
+        mcol = torch.empty_like(mrow)
+        args = [pr.x, dy, saved.dtp, saved.cs, saved.cb, dcb, mrow, mcol, d.l, d.h, d.hpg, d.g, d.nc, d.p,
+                cfg.splits, dcb[0].numel()]
+        kern.launch((nt * nt, d.nc, d.b * d.g * cfg.splits), args + strides3(pr.x),
+                    dict(BT=cfg.block_m, PP=d.pp), cfg.num_warps, cfg.num_stages)
+        return dcb, mrow, mcol, cfg.block_m
+
+    return run_family(DCB, pr.region, d, launch)
+
+
+def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor, dcb: Tensor):
+    """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving) in fp32, and the
+    state path's per-head cumsum-gradient piece (es or v)."""
     d = pr.dims
     side = torch.empty_like(saved.cs)
 
     def launch(kern, cfg: TileConfig):
-        nt = cdiv(d.q, cfg.block_k)
         out = torch.empty(d.b, d.l, cfg.splits, d.g, d.n, device=dy.device, dtype=torch.float32)
-        pair = torch.empty(saved.cs.shape + (nt,), device=dy.device, dtype=torch.float32)
-        args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state, out, side, pair, d.l, d.h,
-                d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, nt]
+        args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state, dcb, out, side, d.l, d.h,
+                d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, dcb.shape[0], dcb[0].numel()]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.g * cfg.splits), args,
                     dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_), cfg.num_warps,
                     cfg.num_stages)
-        return out, pair, (cfg.block_m, cfg.block_k)
+        return out
 
-    out, pair, tiles = run_family(DC if which == "c" else DB, pr.region, d, launch)
-    return (out[:, :, 0] if out.shape[2] == 1 else out.sum(2)), side, pair, tiles
+    out = run_family(DC if which == "c" else DB, pr.region, d, launch)
+    return (out[:, :, 0] if out.shape[2] == 1 else out.sum(2)), side
 
 
 def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, c_side: tuple, b_side: tuple,
@@ -174,6 +194,7 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
     if saved is None:
         states, dtp, cs = run_chunk_state(pr)
         saved = SSDSaved(dtp=dtp, cs=cs, sin=run_state_pass(pr, states, cs)[0])
+    saved = with_cb(pr, saved)
     dy = dy.contiguous()
     dz = None
     if r.has_z:
@@ -198,10 +219,12 @@ def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Te
     ddt_bias), dx in x's dtype, the others fp32, None where the region has no D / dt_bias.
     A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``."""
     d = pr.dims
+    saved = with_cb(pr, saved)
     dx, ddtd, dd = run_dx(pr, dyv, saved, dsout)
-    dC, *c_side = run_dbc(pr, "c", dyv, saved, saved.sin)
-    dB, *b_side = run_dbc(pr, "b", dyv, saved, dsout)
-    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, tuple(c_side), tuple(b_side), dtot)
+    dcb, mrow, mcol, tile = run_dcb(pr, dyv, saved)
+    dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb)
+    dB, v = run_dbc(pr, "b", dyv, saved, dsout, dcb)
+    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, (es, mrow, (tile, tile)), (v, mcol, (tile, tile)), dtot)
     dA = da.view(d.b, d.h, d.nc).sum((0, 2))
     dD = None if pr.D is None else dd.sum((0, 1, 2))
     dbias = None if dbias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2))

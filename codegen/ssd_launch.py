@@ -109,9 +109,11 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
 
 # (heads, block_m, block_k, num_warps, num_stages): the fastest tiles measured on an H200 at
 # headdim 64 / dstate 128 (benchmarks/NOTES_ssd.md), best first; 8-warp tiles and 3-stage head
-# blocks were 1.5-2x slower there and are not tried
-_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 64, 64, 4, 3), (1, 64, 64, 4, 2))
-_DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3))
+# blocks were 1.5-2x slower there and are not tried.  The last ones were added when C B^T moved
+# into its own kernel (fewer live registers per head)
+_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 64, 64, 4, 3), (4, 64, 64, 4, 2), (2, 64, 64, 8, 2),
+                     (1, 128, 64, 8, 2))
+_DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3), (1, 64, 64, 4, 2))
 
 
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
@@ -151,6 +153,14 @@ def dstate_candidates(d: Dims) -> list[TileConfig]:
             TileConfig(block_m=bp, block_k=64, num_warps=8, num_stages=2)]
 
 
+def cb_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of the per-chunk C B^T: block_m rows (t) by block_k columns (s)."""
+    if autotune.interpreting():
+        return [TileConfig(block_m=16, block_k=16, num_warps=1)]
+    return [TileConfig(block_m=64, block_k=64, num_warps=4, num_stages=2),
+            TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=2)]
+
+
 def state_pass_candidates(d: Dims) -> list[TileConfig]:
     """Tiles of the sequential passes: block_m is the number of state entries per program."""
     if autotune.interpreting():
@@ -160,16 +170,23 @@ def state_pass_candidates(d: Dims) -> list[TileConfig]:
 
 def group_candidates(d: Dims) -> list[TileConfig]:
     """Tiles of the dB / dC kernels: block_m rows, block_k partner positions, splits the number
-    of programs that share one group's heads."""
+    of programs that share one group's heads (the state path; the first adds the pair path)."""
     if autotune.interpreting():
-        splits = _divisors(d.hpg, (2, 1))[0]
-        return [TileConfig(block_m=32, block_k=16, splits=splits,
-                           heads=2 if (d.hpg // splits) % 2 == 0 else 1, num_warps=1)]
-    # splits only changes the launch grid; heads (the head-loop unroll) changes the source
-    tiles = ((64, 32, 2, 4), (64, 32, 1, 4))  # (block_m, block_k, unroll, warps); see NOTES_ssd.md
-    return [TileConfig(block_m=bm, block_k=bs, heads=u, splits=s, num_warps=w, num_stages=2)
-            for bm, bs, u, w in tiles for s in _divisors(d.hpg, (1, 2, 4, 8))
-            if (d.hpg // s) % u == 0]
+        return [TileConfig(block_m=32, block_k=16, splits=_divisors(d.hpg, (2, 1))[0], num_warps=1)]
+    return [TileConfig(block_m=bm, block_k=bs, splits=s, num_warps=4, num_stages=2)
+            for bm, bs in ((64, 64), (64, 32)) for s in _divisors(d.hpg, (1, 2, 4, 8))]
+
+
+def dcb_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of ``ssd_dcb``: block_m the (square) pair tile, heads the head-loop unroll, splits
+    the number of programs sharing one group's heads (measured on an H200 at S1 without splits:
+    64 / unroll 2 / 4 warps 439 us, unroll 1 447, 8 warps 497, 32-row tiles 819)."""
+    if autotune.interpreting():
+        sp = _divisors(d.hpg, (2, 1))[0]
+        return [TileConfig(block_m=16, heads=2 if (d.hpg // sp) % 2 == 0 else 1, splits=sp, num_warps=1)]
+    tiles = [(s, 2) for s in _divisors(d.hpg, (1, 2, 4, 8))] + [(1, 1)]
+    return [TileConfig(block_m=64, heads=u, splits=s, num_warps=4, num_stages=2)
+            for s, u in tiles if (d.hpg // s) % u == 0]
 
 
 def single_candidate(d: Dims) -> list[TileConfig]:

@@ -5,7 +5,7 @@ Notation, per (batch, head), for a piece of ``nc`` chunks: ``st_c`` the state ch
 its own inputs, ``tot_c`` its total log-decay (the last entry of its dA cumsum; padded steps add
 nothing, so a short last chunk is handled), ``T = sum_c tot_c``, ``P_c = sum_{c'<c} tot_c'``.
 
-Forward (``chunk_state`` once, ``state_pass`` twice, ``chunk_scan`` once):
+Forward (``chunk_state`` once, ``state_pass`` twice, ``chunk_cb`` and ``chunk_scan`` once):
 
     F_local = state pass of st from zero          (this rank's summary, with T)
     S_in    = exclusive prefix combine of every rank's (F_local, T)   (after the all-gather)
@@ -41,8 +41,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, prepare, run_chunk_scan, run_chunk_state,
-                                        run_state_pass)
+from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, prepare, run_chunk_cb, run_chunk_scan,
+                                        run_chunk_state, run_state_pass, with_cb)
 from mambac.codegen.ssd_kernels_bwd import (backward_after_passing, run_dstate, run_gate_backward,
                                             run_state_pass_bwd)
 from mambac.runtime.context_parallel import pack_summaries, prefix_weights
@@ -91,8 +91,9 @@ def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
         s_in = weighted_rows(gathered[:exchange.rank], prefix_weights(totals, exchange.rank),
                              d.h * d.p * d.n).view_as(f_local)
         sin, final = run_state_pass(with_initial_state(pr, s_in), states, cs)
-    y = run_chunk_scan(pr, dtp, cs, sin)
-    return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin), totals
+    cb = run_chunk_cb(pr)
+    y = run_chunk_scan(pr, dtp, cs, sin, cb)
+    return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb), totals
 
 
 def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exchange, dy: Tensor,
@@ -103,6 +104,7 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     d, r, rank = pr.dims, pr.region, exchange.rank
     world = totals.shape[0]
     dz = None
+    saved = with_cb(pr, saved)
     if r.has_z:
         dz, dyv = run_gate_backward(pr, saved, dy)
     else:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mambac.codegen import render_bwd, render_bwd_tiles, render_fwd
+from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
 from mambac.codegen.kernel_ir import SSDRegion
 
 
@@ -29,14 +29,16 @@ def assert_in_order(src: str, *parts: str) -> None:
 
 
 def all_sources(r: SSDRegion) -> dict[str, str]:
-    out = {"chunk_state": render_fwd.render_chunk_state(r, "forward"),
+    out = {"chunk_cb": render_fwd.render_chunk_cb(r),
+           "chunk_state": render_fwd.render_chunk_state(r, "forward"),
            "dstate": render_fwd.render_chunk_state(r, "dstate"),
            "state_pass": render_fwd.render_state_pass(r),
            "chunk_scan": render_fwd.render_chunk_scan(r, 2, "forward"),
            "state_pass_bwd": render_bwd.render_state_pass_bwd(r),
            "dt_backward": render_bwd.render_dt_backward(r),
            "dx": render_bwd_tiles.render_dx(r, 2),
-           "dc": render_bwd_tiles.render_dbc(r, "c"), "db": render_bwd_tiles.render_dbc(r, "b")}
+           "dc": render_bwd_tiles.render_dbc(r, "c"), "db": render_bwd_tiles.render_dbc(r, "b"),
+           "dcb": render_bwd_pairs.render_dcb(r, 2)}
     if r.has_z:
         out["gate_backward"] = render_fwd.render_chunk_scan(r, 2, "gate_backward")
     return out
@@ -77,10 +79,20 @@ def test_absent_prologue_steps_leave_no_code():
 def test_chunk_scan_epilogue_order_and_heads_unrolled():
     src = render_fwd.render_chunk_scan(region(d_mode="head_dim"), 3, "forward")
     assert_in_order(src, "acc_0 = tl.dot(c_t", "acc_1 = tl.dot(c_t", "acc_2 = tl.dot(c_t",
-                    "for k0 in range(", "cb = tl.dot(c_t, tl.trans(b_s))", "acc_2 = tl.dot(",
-                    "# epilogue of head 0", "y = y + x_t * tl.load(d_ptr", "y = y * zz * sg",
+                    "for k0 in range(", "causal = ", "cb = tl.load(cb_ptr + cb_base", "mask=(t < ",
+                    "acc_2 = tl.dot(", "# epilogue of head 0", "y = y + x_t * tl.load(d_ptr", "y = y * zz * sg",
                     "tl.store(y_ptr", "# epilogue of head 2")
-    assert "acc_3" not in src and src.count("cb = tl.dot") == 1
+    assert "acc_3" not in src and src.count("cb = tl.load") == 1 and not re.search(r"\bb_ptr", src)
+
+
+def test_chunk_cb_writes_causal_tile_pairs_once_per_group():
+    src = render_fwd.render_chunk_cb(region())
+    assert_in_order(src, "def ssd_chunk_cb(b_ptr, c_ptr, cb_ptr", "if pid_k * BK < pid_m * BM + BM:",
+                    "c_t = tl.load(c_ptr", "b_s = tl.load(b_ptr", "cb = tl.dot(c_t, tl.trans(b_s))", "else:",
+                    "cb = tl.zeros((BM, BK)", "tl.store(cb_ptr + base")
+    dx = render_bwd_tiles.render_dx(region(), 1)
+    assert_in_order(dx, "cb_base = ", "for k0 in range(", "causal = ", "cbt = tl.load(cb_ptr", "mask=(t < ")
+    assert "c_ptr" not in dx.replace("cb_ptr", "")
 
 
 def test_no_gate_code_without_z_and_no_skip_without_d():
@@ -107,17 +119,19 @@ def test_backward_sources_in_order():
                     "g * tl.sigmoid(v)", "tl.store(ddt_ptr", "tl.store(dbias_ptr")
     assert "bias" not in render_bwd.render_dt_backward(region(has_dt_bias=False))
     dc = render_bwd_tiles.render_dbc(region(), "c")
-    assert_in_order(dc, "for hh in range(hbase, hbase + hps):", "tl.store(es_ptr",
-                    "for k0 in range(0, pid_m * BT + BT, BS):", "wsum = tl.zeros",
-                    "for h0 in range(hbase, hbase + hps, 1):", "gm = tl.dot(dy_t, tl.trans(x_s))",
-                    "wsum += wj",
-                    "tl.store(pair_ptr", "acc = tl.dot(wsum.to(tl.bfloat16), b_p, acc)", "tl.store(out")
+    assert_in_order(dc, "for hh in range(hbase, hbase + hps):", "tl.store(es_ptr", "if hs == 0:",
+                    "for k0 in range(0, pid_m * BT + BT, BS):", "dcb = tl.load(dcb_ptr + cb_base + t[:, None]",
+                    "acc = tl.dot(dcb.to(tl.bfloat16), b_p, acc)", "tl.store(out")
     db = render_bwd_tiles.render_dbc(region(), "b")
-    assert_in_order(db, "tl.store(v_ptr", "for k0 in range(pid_m * BT, 64, BS):",
-                    "gm = tl.dot(x_s, tl.trans(dy_t))", "acc = tl.dot(wsum.to(tl.bfloat16), c_p, acc)")
-    unrolled = render_bwd_tiles.render_dbc(region(), "b", 2)
-    assert_in_order(unrolled, "for h0 in range(hbase, hbase + hps, 2):", "(h0 + 0) * sxh",
-                    "wsum += wj", "(h0 + 1) * sxh", "wsum += wj", "acc = tl.dot(")
+    assert_in_order(db, "tl.store(v_ptr", "if hs == 0:", "for k0 in range((pid_m * BT) // BS * BS, 64, BS):",
+                    "dcb = tl.load(dcb_ptr + cb_base + t[None, :]", "acc = tl.dot(dcb.to(tl.bfloat16), c_p, acc)")
+    assert "gm = " not in dc + db and "pair_ptr" not in dc + db
+    pairs = render_bwd_pairs.render_dcb(region(), 2)
+    assert_in_order(pairs, "def ssd_dcb(", "if pid_k <= pid_m:", "cb = tl.load(cb_ptr",
+                    "for h0 in range(hbase, hbase + hps, 2):", "(h0 + 0) * sxh", "tl.dot(dy_t, tl.trans(x_s))",
+                    "wsum += wj", "m = wj * cb", "tl.store(mrow_ptr", "tl.sum(m, 1)", "tl.store(mcol_ptr",
+                    "tl.sum(m, 0)", "(h0 + 1) * sxh", "else:", "wsum = tl.zeros", "tl.store(dcb_ptr + hs.to(tl.int64) * DS")
+    assert_in_order(db, "for sp in range(1, NS):", "dcb += tl.load(dcb_ptr + sp * DS")
     sp = render_bwd.render_state_pass_bwd(region())
     assert_in_order(sp, "for cc in range(0, NC):", "tl.store(dsout_ptr", "tl.store(dtot_ptr",
                     "ds = ds * dec", "tl.store(dinit_ptr")
