@@ -9,6 +9,13 @@ in the forward and forms ``(softmax - onehot) * valid / count`` directly, so the
 gradient exist one chunk at a time.  ``fuse_loss`` (docs/passes/fuse_loss.md) puts this function
 into lowered graphs in place of ``lm_head`` → ``cross_entropy``.
 
+When generated kernels are enabled for the device (``kernels_enabled``: CUDA in modes 'auto' and
+'triton', CPU tensors in mode 'triton' under ``TRITON_INTERPRET=1``) and the logits are fp32, bf16
+or fp16, the elementwise passes over each chunk are two generated Triton kernels
+(``mambac.codegen.lce_kernels``): the forward's statistics in one read of the chunk, the backward's
+gradient written over the chunk's logits in one read and one write.  The forward decides which
+path runs and the backward follows it; float64 and kernel-less devices keep the PyTorch passes.
+
 It is a ``torch.autograd.Function``, not a ``torch.library`` op, so it runs under the caller's
 autocast exactly as the unfused linear would.
 """
@@ -18,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mambac.errors import MambacInputError
+from mambac.ops._common import kernels_enabled
 
 CHUNK_FP32_BYTES = 2 ** 28   # one chunk's fp32 logits stay within 256 MiB
 
@@ -45,19 +53,58 @@ def _chunk_stats(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
     return lse, target, valid
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the generated softmax kernels run: kernels enabled for the device, no float64
+    operand (autocast leaves float64 alone, so these dtypes decide the logits' dtype family), and
+    real tensors (fake-tensor runs, such as the memory recorder's or a trace, take the PyTorch
+    passes, which save the same tensors)."""
+    from torch._guards import detect_fake_mode
+    return (kernels_enabled(hidden.device) and hidden.dtype in _KERNEL_DTYPES
+            and weight.dtype in _KERNEL_DTYPES and detect_fake_mode((hidden, weight)) is None)
+
+
+def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, use_kernels: bool):
+    """(lse, summed loss terms, count of counted tokens) of one chunk."""
+    if use_kernels:
+        from mambac.codegen.lce_kernels import lce_stats
+        lse, terms = lce_stats(logits, labels, ignore_index)
+        return lse, terms.sum(), (labels != ignore_index).sum()
+    lse, target, valid = _chunk_stats(logits, labels, ignore_index)
+    return lse, torch.where(valid, lse - target, torch.zeros_like(lse)).sum(), valid.sum()
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                scale: torch.Tensor, use_kernels: bool) -> torch.Tensor:
+    """``(softmax - onehot) * scale`` of one chunk (0 on ignored tokens), in the logits' dtype."""
+    if use_kernels:
+        from mambac.codegen.lce_kernels import lce_grad_
+        return lce_grad_(logits, lse, labels, ignore_index, scale)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    # softmax - onehot, scaled, in place on one fp32 buffer (few passes over chunk x V)
+    g = logits.to(lse.dtype)
+    g.sub_(lse.unsqueeze(1)).exp_()
+    g.scatter_add_(1, safe.unsqueeze(1), -torch.ones_like(g[:, :1]))
+    g.mul_(torch.where(valid, scale.to(g.dtype), torch.zeros((), dtype=g.dtype, device=g.device))
+           .unsqueeze(1))  # ignored tokens: 0
+    return g.to(logits.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index: int, chunk: int):
         n = hidden.shape[0]
         ctx.autocast = _autocast_state(hidden.device.type)
+        ctx.use_kernels = _use_kernels(hidden, weight)
         lses, total, count = [], None, None
         w = _cast_once(weight, ctx.autocast)
         for s in range(0, n, chunk):
             logits = F.linear(hidden[s:s + chunk], w)
-            lse, target, valid = _chunk_stats(logits, labels[s:s + chunk], ignore_index)
-            part = torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
+            lse, part, cnt = _chunk_loss(logits, labels[s:s + chunk], ignore_index, ctx.use_kernels)
             total = part if total is None else total + part
-            cnt = valid.sum()
             count = cnt if count is None else count + cnt
             lses.append(lse)
         lse_all = torch.cat(lses) if lses else hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype))
@@ -81,17 +128,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             for s in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[s:s + ctx.chunk]
-                logits = F.linear(h, w)
-                lab = labels[s:s + ctx.chunk]
-                valid = lab != ctx.ignore_index
-                safe = torch.where(valid, lab, torch.zeros_like(lab))
-                # softmax - onehot, scaled, in place on one fp32 buffer (few passes over chunk x V)
-                g = logits.to(lse_all.dtype)
-                g.sub_(lse_all[s:s + ctx.chunk].unsqueeze(1)).exp_()
-                g.scatter_add_(1, safe.unsqueeze(1), -torch.ones_like(g[:, :1]))
-                g.mul_(torch.where(valid, scale.to(g.dtype), torch.zeros((), dtype=g.dtype, device=g.device))
-                       .unsqueeze(1))  # ignored tokens: 0
-                g = g.to(logits.dtype)
+                g = _chunk_grad(F.linear(h, w), lse_all[s:s + ctx.chunk], labels[s:s + ctx.chunk],
+                                ctx.ignore_index, scale, ctx.use_kernels)
                 if need_h:
                     dhidden[s:s + ctx.chunk] = torch.matmul(g, w).to(hidden.dtype)
                 if need_w:
