@@ -115,7 +115,7 @@ def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def run_chunk_cb(pr: Prepared) -> Tensor:
-    """Kernel 0: C B^T inside each chunk, per group, fp32 (causal tile pairs only)."""
+    """Kernel 0: C B^T inside each chunk, per group, fp32 (zeros in tile pairs above the diagonal)."""
     d, r = pr.dims, pr.region
     cb = torch.empty(d.b, d.nc, d.g, d.q, d.q, device=pr.x.device, dtype=torch.float32)
 

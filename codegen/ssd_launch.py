@@ -179,12 +179,16 @@ def group_candidates(d: Dims) -> list[TileConfig]:
 
 def dcb_candidates(d: Dims) -> list[TileConfig]:
     """Tiles of ``ssd_dcb``: block_m the (square) pair tile, heads the head-loop unroll, splits
-    the number of programs sharing one group's heads (measured on an H200 at S1 without splits:
-    64 / unroll 2 / 4 warps 439 us, unroll 1 447, 8 warps 497, 32-row tiles 819)."""
+    the number of programs sharing one group's heads (measured on an H200 at S1: 64 / unroll 2 /
+    4 warps 445 us unsplit, 376 in 2 splits, 382 in 4, 403 in 8; unroll 1 456).  Each split writes
+    its own fp32 (q x q) part per chunk and group, so splits are offered only while their parts
+    take at most x's bytes (bf16): splits * groups * q * 4 <= heads * headdim * 2."""
+    def fits(s: int) -> bool:
+        return s == 1 or s * d.g * d.q * 4 <= d.h * d.p * 2
     if autotune.interpreting():
         sp = _divisors(d.hpg, (2, 1))[0]
         return [TileConfig(block_m=16, heads=2 if (d.hpg // sp) % 2 == 0 else 1, splits=sp, num_warps=1)]
-    tiles = [(s, 2) for s in _divisors(d.hpg, (1, 2, 4, 8))] + [(1, 1)]
+    tiles = [(s, 2) for s in _divisors(d.hpg, (1, 2, 4, 8)) if fits(s)] + [(1, 1)]
     return [TileConfig(block_m=64, heads=u, splits=s, num_warps=4, num_stages=2)
             for s, u in tiles if (d.hpg // s) % u == 0]
 

@@ -6,7 +6,6 @@ from typing import Any, Sequence
 import torch
 
 from mambac.errors import MambacInputError, MambacOptionsError
-from mambac.lowering import bind_inputs
 from mambac.options import CompileOptions
 from mambac.runtime.compiled_module import CompiledModule
 
@@ -16,8 +15,6 @@ def _input_checks(model: torch.nn.Module):
     from mambac.models.lm import MambaLMHeadModel, check_token_ids
 
     if isinstance(model, MambaLMHeadModel):
-        vocab = model.config.vocab_size
-
         def check(values: list[Any]) -> None:
             check_token_ids(values[0], model.config.padded_vocab_size)
             labels = values[1] if len(values) > 1 else None

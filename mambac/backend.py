@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -33,6 +32,7 @@ import torch
 import torch.fx
 
 from mambac.backend_foreign import swap_foreign_mixers
+from mambac.dynamo_paths import dotted, qualname
 from mambac.capture import propagate_shapes
 from mambac.errors import MambacOptionsError
 from mambac.ir import SOURCE, SourceInfo
@@ -77,20 +77,9 @@ class LoweredGraph:
 
 # -- module provenance -----------------------------------------------------------------------------
 
-def _dotted(path: str) -> str:
-    """Dynamo's module path (``L['self'].layers[0].mixer``) as a dotted name (``layers.0.mixer``)."""
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
-    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
-    return path.strip(".")
-
-
-def _qualname(cls: Any) -> str:
-    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _stack(node: torch.fx.Node) -> list[tuple[str, str]]:
     """(dotted module path, qualified class name) of every module around ``node``, outermost first."""
-    return [(_dotted(path), _qualname(cls)) for path, cls in (node.meta.get("nn_module_stack") or {}).values()]
+    return [(dotted(path), qualname(cls)) for path, cls in (node.meta.get("nn_module_stack") or {}).values()]
 
 
 def annotate_sources(gm: torch.fx.GraphModule) -> None:

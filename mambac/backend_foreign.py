@@ -33,6 +33,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from mambac.dynamo_paths import dotted, qualname
 from mambac.errors import MambacError
 from mambac.ir import SOURCE, SourceInfo
 
@@ -43,12 +44,12 @@ HF_MIXERS = ("transformers.models.mamba.modeling_mamba.MambaMixer",
 SUBMODULE_PREFIX = "mambac_mixer_"
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """Why one region is left as it is."""
 
 
 @dataclass
-class _Region:
+class Region:
     """The nodes of one HF mixer in a dynamo graph (placeholders excluded) and its module stack."""
 
     raw_path: str                      # dynamo's path, e.g. L['self'].backbone.layers[0].mixer
@@ -57,27 +58,18 @@ class _Region:
     nodes: list[torch.fx.Node] = field(default_factory=list)
 
 
-def _qualname(cls: Any) -> str:
-    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _dotted(path: str) -> str:
-    from mambac.backend import _dotted as dotted
-    return dotted(path)
-
-
-def find_regions(gm: torch.fx.GraphModule, classes: Sequence[str] = HF_MIXERS) -> dict[str, _Region]:
+def find_regions(gm: torch.fx.GraphModule, classes: Sequence[str] = HF_MIXERS) -> dict[str, Region]:
     """Regions of the modules of ``classes`` (HF mixers by default) in ``gm`` by dynamo module
     path, in graph order."""
-    regions: dict[str, _Region] = {}
+    regions: dict[str, Region] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         prefix = {}
         for key, (path, cls) in (node.meta.get("nn_module_stack") or {}).items():
             prefix[key] = (path, cls)
-            if _qualname(cls) in classes:
-                region = regions.setdefault(path, _Region(path, _qualname(cls), dict(prefix)))
+            if qualname(cls) in classes:
+                region = regions.setdefault(path, Region(path, qualname(cls), dict(prefix)))
                 region.nodes.append(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for region in regions.values():
@@ -85,7 +77,7 @@ def find_regions(gm: torch.fx.GraphModule, classes: Sequence[str] = HF_MIXERS) -
     return regions
 
 
-def _absorb_unmarked(gm: torch.fx.GraphModule, region: _Region, order: dict) -> None:
+def _absorb_unmarked(gm: torch.fx.GraphModule, region: Region, order: dict) -> None:
     """Add to ``region`` the nodes between its first and last that dynamo left without a module
     stack but that read nothing from outside it (e.g. ``_vmap_decrement_nesting`` closing a
     ``vmap`` the mixer opened): they belong to the mixer's code."""
@@ -113,7 +105,7 @@ def resolve(raw_path: str, f_locals: dict) -> nn.Module | None:
     try:
         for index in re.findall(r"\[(\d+|'[^']*')\]", match.group(2)):
             obj = obj[index.strip("'")] if index.startswith("'") else obj[int(index)]
-        rest = _dotted(raw_path[match.end():])
+        rest = dotted(raw_path[match.end():])
         return obj.get_submodule(rest) if rest else obj
     except (AttributeError, IndexError, KeyError, TypeError):
         return None
@@ -126,16 +118,16 @@ def _compiling_frame():
 
 # -- checks ----------------------------------------------------------------------------------------
 
-def _value(node: torch.fx.Node) -> Any:
+def node_value(node: torch.fx.Node) -> Any:
     return node.meta.get("val", node.meta.get("example_value"))
 
 
-def _param_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: _Region,
+def param_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: Region,
                   mixer: nn.Module) -> tuple[dict[str, torch.fx.Node], list[torch.fx.Node]]:
     """The mixer's parameters among the region's inputs (name → graph node) and its other tensor
     inputs; anything else coming in (sizes) is ignored."""
     by_id = {id(p): name for name, p in mixer.named_parameters(remove_duplicate=False)}
-    by_path = {f"{_dotted(region.raw_path)}.{name}": name for name in by_id.values()}
+    by_path = {f"{dotted(region.raw_path)}.{name}": name for name in by_id.values()}
     placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     inside = set(region.nodes)
     params: dict[str, torch.fx.Node] = {}
@@ -152,59 +144,59 @@ def _param_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], regio
                 arg = inp.meta.get("grapharg")
                 source = getattr(getattr(arg, "source", None), "name", "")
                 if name is None and source:
-                    name = by_path.get(_dotted(re.sub(r"\._(modules|parameters)\['([^']*)'\]", r".\2", source)))
+                    name = by_path.get(dotted(re.sub(r"\._(modules|parameters)\['([^']*)'\]", r".\2", source)))
             elif inp.op == "get_attr":
                 name = by_id.get(id(getattr(gm, str(inp.target), None)))
             if name is not None:
                 params[name] = inp
-            elif isinstance(_value(inp), torch.Tensor):
+            elif isinstance(node_value(inp), torch.Tensor):
                 others.append(inp)
     return params, others
 
 
 def check_no_break_inside(gm: torch.fx.GraphModule, module: nn.Module) -> None:
-    """``_Refused`` when dynamo broke the graph inside ``module``'s forward."""
+    """``Refused`` when dynamo broke the graph inside ``module``'s forward."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
     if reason is not None and reason.graph_break and code is not None:
         if any(f.filename == code.co_filename and f.name == code.co_name for f in reason.user_stack or ()):
-            raise _Refused("dynamo broke the graph inside its forward, so the graph holds part of it")
+            raise Refused("dynamo broke the graph inside its forward, so the graph holds part of it")
 
 
-def _check_region(gm: torch.fx.GraphModule, region: _Region, mixer: nn.Module, params: dict,
+def _check_region(gm: torch.fx.GraphModule, region: Region, mixer: nn.Module, params: dict,
                   others: list) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(hidden_states input, output node) of a region that is the mixer's whole forward, else
-    ``_Refused`` with the reason."""
+    ``Refused`` with the reason."""
     check_no_break_inside(gm, mixer)
     if len(others) != 1:
         names = ", ".join(n.name for n in others) or "none"
-        raise _Refused(f"its forward got {len(others)} tensor input(s) besides its parameters ({names}); only "
+        raise Refused(f"its forward got {len(others)} tensor input(s) besides its parameters ({names}); only "
                        "hidden_states is supported (a cache or an attention mask that is not None is not)")
     missing = sorted(set(n for n, _ in mixer.named_parameters()) - set(params))
     if missing:
-        raise _Refused(f"the graph holds part of its forward only (parameters {missing} are not read in it)")
+        raise Refused(f"the graph holds part of its forward only (parameters {missing} are not read in it)")
     inside = set(region.nodes)
     # sizes computed inside may be used again outside (dynamo shares symbolic sizes); they stay
-    outs = [n for n in region.nodes if any(u not in inside for u in n.users) and not _size_like(_value(n))]
+    outs = [n for n in region.nodes if any(u not in inside for u in n.users) and not size_like(node_value(n))]
     if len(outs) != 1:
-        raise _Refused(f"{len(outs)} of its values are used outside it; exactly one (its output) is supported")
+        raise Refused(f"{len(outs)} of its values are used outside it; exactly one (its output) is supported")
     for node in region.nodes:
         if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_") \
                 and node.args and node.args[0] not in inside:
-            raise _Refused(f"it changes a value from outside in place ({node.format_node()})")
+            raise Refused(f"it changes a value from outside in place ({node.format_node()})")
     out, hidden = outs[0], others[0]
     stack = list((out.meta.get("nn_module_stack") or {}).values())
-    if not stack or _dotted(stack[-1][0]) != f"{_dotted(region.raw_path)}.out_proj":
-        raise _Refused("its value used outside is not its out_proj's output")
-    h, y = _value(hidden), _value(out)
+    if not stack or dotted(stack[-1][0]) != f"{dotted(region.raw_path)}.out_proj":
+        raise Refused("its value used outside is not its out_proj's output")
+    h, y = node_value(hidden), node_value(out)
     d_model = int(mixer.hidden_size)
     if not (isinstance(h, torch.Tensor) and isinstance(y, torch.Tensor) and h.dim() == 3 and y.dim() == 3
             and h.shape[-1] == d_model and y.shape[-1] == d_model):
-        raise _Refused(f"its input and output are not (batch, length, {d_model}) tensors")
+        raise Refused(f"its input and output are not (batch, length, {d_model}) tensors")
     return hidden, out
 
 
-def _size_like(value: Any) -> bool:
+def size_like(value: Any) -> bool:
     """A value that holds no tensor (a size, a SymInt, a shape tuple)."""
     from torch.utils import _pytree as pytree
     return value is not None and not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
@@ -212,13 +204,13 @@ def _size_like(value: Any) -> bool:
 
 # -- the swap ----------------------------------------------------------------------------------------
 
-def _inline(gm: torch.fx.GraphModule, captured: torch.fx.GraphModule, name: str, region: _Region,
+def _inline(gm: torch.fx.GraphModule, captured: torch.fx.GraphModule, name: str, region: Region,
             params: dict[str, torch.fx.Node], key_map: dict, hidden: torch.fx.Node, out: torch.fx.Node) -> None:
     """Put ``captured``'s nodes before ``out``, reading parameters from ``params`` (HF name → node)
     where dynamo lifted them, from the registered submodule otherwise; ``out``'s users take the
     result and the region's nodes are erased."""
     graph, env = gm.graph, {}
-    path = _dotted(region.raw_path)
+    path = dotted(region.raw_path)
 
     def param(key: str) -> torch.fx.Node:
         node = params.get(key_map.get(key, key))
@@ -260,21 +252,21 @@ def _inline(gm: torch.fx.GraphModule, captured: torch.fx.GraphModule, name: str,
             graph.erase_node(node)
 
 
-def _swap_one(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: _Region, f_locals: dict,
+def _swap_one(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: Region, f_locals: dict,
               index: int) -> None:
     from mambac.capture import trace
     from mambac.convert.hf import convert_mixer
 
     mixer = resolve(region.raw_path, f_locals)
-    if mixer is None or _qualname(type(mixer)) != region.cls:
-        raise _Refused("the module at that path is not reachable from the frame dynamo compiled")
-    params, others = _param_inputs(gm, example_inputs, region, mixer)
+    if mixer is None or qualname(type(mixer)) != region.cls:
+        raise Refused("the module at that path is not reachable from the frame dynamo compiled")
+    params, others = param_inputs(gm, example_inputs, region, mixer)
     hidden, out = _check_region(gm, region, mixer, params, others)
     try:
         conv = convert_mixer(mixer)
         captured = trace(conv.model, 1)
     except MambacError as exc:
-        raise _Refused(f"mambac cannot convert it: {exc}") from exc
+        raise Refused(f"mambac cannot convert it: {exc}") from exc
     name = f"{SUBMODULE_PREFIX}{index}"
     # An attribute of the GraphModule, not a registered submodule: its parameters are the HF ones,
     # which dynamo already passes as graph inputs, and AOTAutograd (trace_backward) requires every
@@ -297,12 +289,12 @@ def swap_foreign_mixers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
     for region in regions.values():
         try:
             if not f_locals:
-                raise _Refused("the model dynamo compiles is not reachable from the backend")
+                raise Refused("the model dynamo compiles is not reachable from the backend")
             _swap_one(gm, example_inputs, region, f_locals, swapped)
             swapped += 1
-        except _Refused as why:
+        except Refused as why:
             log.warning("mambac backend: %s at '%s' is not lowered and runs as its own PyTorch code: %s.",
-                        region.cls.rsplit(".", 1)[-1], _dotted(region.raw_path), why)
+                        region.cls.rsplit(".", 1)[-1], dotted(region.raw_path), why)
     if f_locals:  # after the mixers: a mixer region's input is the norm's output node
         from mambac.backend_norms import swap_foreign_norms
         swapped += swap_foreign_norms(gm, example_inputs, f_locals)

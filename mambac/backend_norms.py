@@ -19,8 +19,9 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from mambac.backend_foreign import (HF_MIXERS, _dotted, _param_inputs, _qualname, _Refused, _Region, _size_like,
-                                    _value, check_no_break_inside, find_regions, resolve)
+from mambac.backend_foreign import (HF_MIXERS, Refused, Region, check_no_break_inside, find_regions, node_value,
+                                    param_inputs, resolve, size_like)
+from mambac.dynamo_paths import dotted, qualname
 from mambac.ir import SOURCE, SourceInfo
 
 log = logging.getLogger("mambac.backend")
@@ -29,25 +30,25 @@ HF_NORMS = ("transformers.models.mamba.modeling_mamba.MambaRMSNorm",
             "transformers.models.mamba2.modeling_mamba2.Mamba2RMSNorm")
 
 
-def _swap_norm(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: _Region, f_locals: dict) -> None:
+def _swap_norm(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: Region, f_locals: dict) -> None:
     norm = resolve(region.raw_path, f_locals)
-    if norm is None or _qualname(type(norm)) != region.cls:
-        raise _Refused("the module at that path is not reachable from the frame dynamo compiled")
+    if norm is None or qualname(type(norm)) != region.cls:
+        raise Refused("the module at that path is not reachable from the frame dynamo compiled")
     check_no_break_inside(gm, norm)
-    params, others = _param_inputs(gm, example_inputs, region, norm)
+    params, others = param_inputs(gm, example_inputs, region, norm)
     if set(params) != {"weight"} or len(others) != 1:
-        raise _Refused("its inputs are not its weight and one tensor")
+        raise Refused("its inputs are not its weight and one tensor")
     inside = set(region.nodes)
-    outs = [n for n in region.nodes if any(u not in inside for u in n.users) and not _size_like(_value(n))]
+    outs = [n for n in region.nodes if any(u not in inside for u in n.users) and not size_like(node_value(n))]
     if len(outs) != 1:
-        raise _Refused(f"{len(outs)} of its values are used outside it; exactly one is supported")
+        raise Refused(f"{len(outs)} of its values are used outside it; exactly one is supported")
     hidden, out, weight = others[0], outs[0], params["weight"]
-    h, y, w = _value(hidden), _value(out), _value(weight)
+    h, y, w = node_value(hidden), node_value(out), node_value(weight)
     if not all(isinstance(t, torch.Tensor) for t in (h, y, w)) or h.shape != y.shape \
             or tuple(w.shape) != (h.shape[-1],):
-        raise _Refused("its input, weight and output do not have the shapes of an RMSNorm")
+        raise Refused("its input, weight and output do not have the shapes of an RMSNorm")
     if not h.dtype == w.dtype == y.dtype:
-        raise _Refused(f"its input ({h.dtype}), weight ({w.dtype}) and output ({y.dtype}) dtypes differ")
+        raise Refused(f"its input ({h.dtype}), weight ({w.dtype}) and output ({y.dtype}) dtypes differ")
     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
     graph = gm.graph
     cast = _noop_cast(hidden, inside)
@@ -57,7 +58,7 @@ def _swap_norm(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: 
         result = graph.call_function(operator.getitem, (op, 0))
     for node in (op, result):
         node.meta["nn_module_stack"] = dict(region.stack)
-        node.meta[SOURCE] = SourceInfo(module_path=_dotted(region.raw_path), module_type=type(norm).__name__)
+        node.meta[SOURCE] = SourceInfo(module_path=dotted(region.raw_path), module_type=type(norm).__name__)
     out.replace_all_uses_with(result)
     for node in reversed(list(graph.nodes)):
         if node in inside and not node.users:
@@ -74,7 +75,7 @@ def _noop_cast(hidden: torch.fx.Node, inside: set) -> torch.fx.Node | None:
     if hidden.op != "call_method" or hidden.target != "to" or not hidden.args \
             or not isinstance(hidden.args[0], torch.fx.Node) or any(u not in inside for u in hidden.users):
         return None
-    src, out = _value(hidden.args[0]), _value(hidden)
+    src, out = node_value(hidden.args[0]), node_value(hidden)
     extra = set(hidden.kwargs) - {"dtype"}
     if extra or len(hidden.args) > 2 or not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
         return None
@@ -88,12 +89,12 @@ def swap_foreign_norms(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     Regions that cannot be replaced stay HF's code (logged at info level: they are only slower)."""
     swapped = 0
     for region in find_regions(gm, HF_NORMS).values():
-        if any(_qualname(cls) in HF_MIXERS for _, cls in region.stack.values()):
+        if any(qualname(cls) in HF_MIXERS for _, cls in region.stack.values()):
             continue
         try:
             _swap_norm(gm, example_inputs, region, f_locals)
             swapped += 1
-        except _Refused as why:
+        except Refused as why:
             log.info("mambac backend: %s at '%s' stays HF's code: %s.", region.cls.rsplit(".", 1)[-1],
-                     _dotted(region.raw_path), why)
+                     dotted(region.raw_path), why)
     return swapped

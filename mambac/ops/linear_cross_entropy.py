@@ -140,9 +140,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _cast_once(weight: torch.Tensor, autocast: tuple) -> torch.Tensor:
-    """The weight in the autocast dtype, cast once per call (not once per chunk's matmul)."""
+    """The weight in the autocast dtype, cast once per call (not once per chunk's matmul).  Like
+    autocast itself, float64 stays float64."""
     _, enabled, dtype = autocast
-    return weight.to(dtype) if enabled and weight.is_floating_point() and weight.dtype != dtype else weight
+    castable = weight.is_floating_point() and weight.dtype not in (dtype, torch.float64)
+    return weight.to(dtype) if enabled and castable else weight
 
 
 def _check(hidden, weight, labels, chunk) -> None:

@@ -92,6 +92,17 @@ def test_bf16_autocast_runs_matmuls_in_bf16_and_matches():
     assert rel_err(got, _ref(h, w, labels)) > 1e-7   # and not the fp32 ones: autocast was honoured
 
 
+def test_float64_under_autocast_stays_float64_like_the_eager_head():
+    h, w, labels = _inputs(9, 8, 13, seed=5)
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h64, w64, labels, chunk=4)
+        eager = F.cross_entropy(F.linear(h.double(), w.double()), labels)
+    got.backward()
+    assert got.dtype == torch.float64 and h64.grad.dtype == w64.grad.dtype == torch.float64
+    assert rel_err(got, eager) < 1e-12
+
+
 def test_bad_inputs_raise_clear_errors():
     h, w, labels = _inputs(6, 4, 5)
     with pytest.raises(MambacInputError, match="hidden \\(N, D\\)"):
