@@ -109,11 +109,12 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
 
 # (heads, block_m, block_k, num_warps, num_stages): the fastest tiles measured on an H200 at
 # headdim 64 / dstate 128 (benchmarks/NOTES_ssd.md), best first; 8-warp tiles and 3-stage head
-# blocks were 1.5-2x slower there and are not tried.  The last ones were added when C B^T moved
-# into its own kernel (fewer live registers per head)
-_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 64, 64, 4, 3), (4, 64, 64, 4, 2), (2, 64, 64, 8, 2),
-                     (1, 128, 64, 8, 2))
-_DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3), (1, 64, 64, 4, 2))
+# blocks were 1.5-2x slower there and are not tried.  With C B^T read from ssd_chunk_cb (S1 / S2
+# chunk scan, us): 2 heads 64 rows 303 / 409, 1 head 128 rows 8 warps 305 / 415, 1 head 333 / 448;
+# 4 heads (544 / 733) and 2 heads at 8 warps (513 / 690) were dropped; dx 64 x 32 348 / 474, the
+# 64 x 64 tiles 445-447 / 606-609
+_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 128, 64, 8, 2), (1, 64, 64, 4, 3))
+_DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3))
 
 
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
@@ -154,11 +155,11 @@ def dstate_candidates(d: Dims) -> list[TileConfig]:
 
 
 def cb_candidates(d: Dims) -> list[TileConfig]:
-    """Tiles of the per-chunk C B^T: block_m rows (t) by block_k columns (s)."""
+    """Tiles of the per-chunk C B^T: block_m rows (t) by block_k columns (s) (H200: 128 x 64 at 8
+    warps 19.9 / 62.2 us at S1 / S2, 64 x 64 at 4 warps 21.5 / 65.7)."""
     if autotune.interpreting():
         return [TileConfig(block_m=16, block_k=16, num_warps=1)]
-    return [TileConfig(block_m=64, block_k=64, num_warps=4, num_stages=2),
-            TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=2)]
+    return [TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=2)]
 
 
 def state_pass_candidates(d: Dims) -> list[TileConfig]:
