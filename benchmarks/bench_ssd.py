@@ -13,6 +13,8 @@ Commands (default: check time parts):
   time        fwd and fwd+bwd medians (``triton.testing.do_bench``) at the ANCHORS shapes S1 and
               S2, for mambac and for mamba_ssm's ``mamba_chunk_scan_combined`` (source in
               ``.bench_deps/mamba_ssm``; see the shared ANCHORS page)
+  graphed     with ``time``: fwd+bwd also replayed from a CUDA graph, which leaves out the host's
+              launch cost (a failed capture can leave the CUDA context unusable for the rest of the process)
   parts       time of each generated kernel alone at S1
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RES: dict = {}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GRAPHED = False  # set by the "graphed" command
 S1 = dict(b=4, l=4096, h=48, p=64, n=128, g=1, q=256)
 S2 = dict(b=1, l=16384, h=64, p=64, n=128, g=8, q=256)
 ANCHOR_US = {("S1", "fwd"): 627, ("S1", "fwd+bwd"): 5355, ("S2", "fwd"): 873, ("S2", "fwd+bwd"): 6392}
@@ -84,6 +87,21 @@ def import_mamba_ssm():
 def bench_ms(fn) -> float:
     import triton.testing as tt
     return tt.do_bench(fn, warmup=30, rep=200, return_mode="median")
+
+
+def graphed_ms(fn) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph: its GPU time without the host's launch
+    cost (warmed up on a side stream first, as graph capture requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
 
 
 def inputs(b, l, h, p, n, g, dtype=torch.bfloat16, seed=0, z=False, d_dim=False, init=False):
@@ -218,6 +236,13 @@ def time_case(cg, mamba, tag: str, shape: dict, fwd_only_timing: bool = False,
             rec(f"{tag} {name} fwd+bwd us", round(bench_ms(fb) * 1e3, 1))
         except Exception:
             traceback.print_exc()
+            continue
+        if not GRAPHED:
+            continue
+        try:  # the same fwd+bwd from a CUDA graph: the part of the time that is the GPU's
+            rec(f"{tag} {name} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
+        except Exception as exc:
+            rec(f"{tag} {name} fwd+bwd graphed us", f"not captured: {exc!r}"[:120])
     del leaves
     torch.cuda.empty_cache()
 
@@ -289,6 +314,8 @@ def main(argv: list[str]) -> None:
     if what[0] == "warm":
         warm(cg, int(what[1]), int(what[2]))
         return
+    global GRAPHED
+    GRAPHED = "graphed" in what and DEV == "cuda"
     mamba = import_mamba_ssm()
     rec("mamba_ssm available", mamba is not None)
     if "time" in what:
