@@ -8,7 +8,8 @@
 
 Notation (per head, inside one chunk): cs_t = sum_{j<=t} dt'_j A.  The cumsum gradient is
 
-    dcs_t = es_t + sum_s M_ts - sum_u M_ut - v_t      (pair sums from ``ssd_dc`` / ``ssd_db``)
+    dcs_t = es_t + sum_s M_ts - sum_u M_ut - v_t      (es from ``ssd_dc``, v from ``ssd_db``,
+                                                     both pair sums from ``ssd_dcb``)
 
 and the chunk's last position also receives sum_s v_s and the passing term from here.
 """
@@ -64,8 +65,8 @@ def render_dt_backward(r: SSDRegion) -> str:
                 f"pos = pid_c * {q} + t", "valid = mq & (pos < L)",
                 f"row = bh64 * (NC * {q}) + pid_c * {q}", "part = bh64 * NC + pid_c",
                 "kr = tl.arange(0, RP)", "kc = tl.arange(0, CP)", "it = tl.arange(0, TP)")
-        w.comment("pair sums: slot k of a row holds partner tile k (of size BS*); the row tiles")
-        w.comment("(RT*) of ssd_dc visit partners before their end, those of ssd_db from their start")
+        w.comment("pair sums: slot k of a position holds partner tile k (of size BS*); with tiles of RT*,")
+        w.comment("row sums exist for partner tiles up to the row's tile, column sums from the column's on")
         w.line("mr = tl.load(mrow_ptr + (row + t)[:, None] * NTR + kr[None, :], "
                "mask=mq[:, None] & (kr[None, :] < ((t // RTR + 1) * (RTR // BSR))[:, None]) "
                "& (kr[None, :] < NTR), other=0.0)")
