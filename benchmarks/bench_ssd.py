@@ -265,10 +265,9 @@ def time_parts(cg, shape: dict) -> None:
     dfin = torch.zeros(s["b"], s["h"], s["p"], s["n"], device=DEV)
     dsout, _, dtot = bk.run_state_pass_bwd(pr, dst, saved, dfin)
     _, ddtd, _ = bk.run_dx(pr, dy, saved, dsout)
-    dcb, mrow, mcol, tile = bk.run_dcb(pr, dy, saved)
+    dcb, *pairs = bk.run_dcb(pr, dy, saved)
     _, es = bk.run_dbc(pr, "c", dy, saved, sin, dcb)
     _, v = bk.run_dbc(pr, "b", dy, saved, dsout, dcb)
-    c_side, b_side = (es, mrow, (tile, tile)), (v, mcol, (tile, tile))
     parts = [("fwd chunk_cb", lambda: fk.run_chunk_cb(pr)),
              ("fwd chunk_state", lambda: fk.run_chunk_state(pr)),
              ("fwd state_pass", lambda: fk.run_state_pass(pr, states, cs)),
@@ -279,7 +278,7 @@ def time_parts(cg, shape: dict) -> None:
              ("bwd dcb", lambda: bk.run_dcb(pr, dy, saved)),
              ("bwd dc", lambda: bk.run_dbc(pr, "c", dy, saved, sin, dcb)),
              ("bwd db", lambda: bk.run_dbc(pr, "b", dy, saved, dsout, dcb)),
-             ("bwd dt", lambda: bk.run_dt_backward(pr, saved, ddtd, c_side, b_side, dtot))]
+             ("bwd dt", lambda: bk.run_dt_backward(pr, saved, ddtd, es, v, tuple(pairs), dtot))]
     for name, fn in parts:
         try:
             rec(f"S1 part {name} us", round(bench_ms(fn) * 1e3, 1))

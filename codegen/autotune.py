@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from mambac.codegen import cache
-from mambac.codegen.kernel_ir import TileConfig
+from mambac.codegen.kernel_ir import TileConfig, pow2
 from mambac.progress import progress
 
 log = logging.getLogger("mambac.codegen")
@@ -41,7 +41,7 @@ def family_key(name: str, sources: Sequence[str], candidates: Sequence[TileConfi
 
 def bucket_key(*sizes: int) -> str:
     """Shape bucket: sizes rounded up to powers of two (tile choices change slowly with size)."""
-    return "x".join(str(1 << max(int(s) - 1, 0).bit_length()) for s in sizes)
+    return "x".join(str(pow2(s)) for s in sizes)
 
 
 def choose(family: str, bucket: str, candidates: Sequence[TileConfig],

@@ -14,10 +14,6 @@ from dataclasses import dataclass
 Hints = tuple[tuple[str, int], ...]
 
 
-def pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def stride_hints(**strides: int) -> Hints:
     """Stride arguments that are multiples of 2, 4 or 8 elements (but not of 16), as
     ``((name, multiple), ...)``.  Triton proves alignment only for integers divisible by 16, so

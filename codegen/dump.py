@@ -78,7 +78,8 @@ def _gated(args: list) -> list[tuple[str, str, str]]:
 
 def _add(args: list) -> list[tuple[str, str, str]]:
     from mambac.codegen import norm_kernels as nk
-    from mambac.codegen.conv_norm_ir import AddNormRegion, pow2
+    from mambac.codegen.conv_norm_ir import AddNormRegion
+    from mambac.codegen.kernel_ir import pow2
     x, residual, weight, eps, _ = args
     n = x.shape[-1]
     dims = nk.RowDims(x.numel() // n, n, n)

@@ -15,12 +15,18 @@ from typing import Any, Optional
 
 import torch
 
+
+def pow2(n: int) -> int:
+    """``n`` rounded up to a power of two (Triton ranges and tiles need one; 1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
 # io dtype name -> (torch dtype, Triton dtype expression)
 IO_DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "bf16": (torch.bfloat16, "tl.bfloat16"),
     "fp16": (torch.float16, "tl.float16"),
     "fp32": (torch.float32, "tl.float32"),
 }
+KERNEL_DTYPES = tuple(td for td, _ in IO_DTYPES.values())  # what generated kernels read and write
 D_MODES = ("none", "head", "head_dim")
 
 
@@ -74,7 +80,7 @@ class SSDRegion:
     @property
     def chunk_pow2(self) -> int:
         """The chunk rounded up to a power of two (Triton ranges need one)."""
-        return 1 << max(self.chunk_size - 1, 0).bit_length()
+        return pow2(self.chunk_size)
 
     def dot_kwargs(self) -> str:
         """Extra keyword text for every ``tl.dot`` in generated code."""

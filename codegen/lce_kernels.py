@@ -5,7 +5,7 @@ elementwise passes over that chunk (``render_lce``): ``lce_stats`` in the forwar
 log-sum-exp and loss term, one read of the chunk) and ``lce_grad_`` in the backward (the logits'
 gradient written over the logits, one read and one write, no second chunk-sized buffer).  The
 op decides in its forward whether these run (``mambac.ops._common.kernels_enabled`` and the
-dtypes of ``KERNEL_DTYPES``), so its backward takes the same path.
+dtypes of ``kernel_ir.KERNEL_DTYPES``), so its backward takes the same path.
 """
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ from torch import Tensor
 
 from mambac.codegen import autotune, render_lce
 from mambac.codegen.conv_norm_ir import Hints, hint_text, stride_hints
-from mambac.codegen.kernel_ir import TileConfig, io_name
+from mambac.codegen.kernel_ir import KERNEL_DTYPES, TileConfig, io_name, pow2
 from mambac.codegen.ssd_launch import Family, cdiv, run_family
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 @dataclass(frozen=True)
 class LceRegion:
@@ -59,7 +56,7 @@ def _candidates(d: LceDims) -> list[TileConfig]:
     """block_m: rows per program; block_k: the vocab tile (at most the vocab, as a power of two)."""
     if autotune.interpreting():
         return [TileConfig(block_m=4, block_k=256, num_warps=1)]
-    cap = max(16, 1 << max(d.v - 1, 0).bit_length())
+    cap = max(16, pow2(d.v))
     out = [TileConfig(block_m=bm, block_k=min(bv, cap), num_warps=w, num_stages=1) for bm, bv, w in _TILES]
     return list(dict.fromkeys(out))
 
@@ -102,9 +99,6 @@ def lce_stats(logits: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor
     return lse, loss
 
 
-_TUNED: set[tuple[LceRegion, LceDims]] = set()
-
-
 def lce_grad_(logits: Tensor, lse: Tensor, labels: Tensor, ignore_index: int, scale: Tensor | float) -> Tensor:
     """Overwrite ``logits`` with ``(softmax(logits) - onehot(labels)) * scale`` (0 on rows whose
     label is ``ignore_index``) and return it.  ``lse`` is ``lce_stats``' first output; ``scale``
@@ -119,13 +113,13 @@ def lce_grad_(logits: Tensor, lse: Tensor, labels: Tensor, ignore_index: int, sc
     else:
         sc = torch.full((1,), float(scale), device=z.device, dtype=torch.float32)
     tail = [lse.float().contiguous(), labels.long().contiguous(), sc, m, v, z.stride(0), int(ignore_index)]
-    region, dims = _region(z, rounding=True), LceDims(m, v)
-    if (region, dims) not in _TUNED and not autotune.interpreting():
+
+    def on_scratch():
         # autotuning launches the kernel repeatedly: let it rewrite a copy (same layout), not the logits
         scratch = torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device=z.device).copy_(z)
-        run_family(GRAD, region, dims, _launcher([scratch] + tail, m))
-    _TUNED.add((region, dims))
-    run_family(GRAD, region, dims, _launcher([z] + tail, m))
+        return _launcher([scratch] + tail, m)
+
+    run_family(GRAD, _region(z, rounding=True), LceDims(m, v), _launcher([z] + tail, m), tuning_launch=on_scratch)
     if z is not logits:
         logits.copy_(z)
     return logits

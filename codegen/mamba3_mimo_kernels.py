@@ -14,7 +14,8 @@ from mambac.codegen import render_mamba3_mimo as R
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.mamba3_launch import Mamba3Call, backward, forward
 from mambac.codegen.scan_ir import Mamba3MimoRegion, io_of
-from mambac.codegen.scan_launch import cast, pow2, scan_supports
+from mambac.codegen.kernel_ir import pow2
+from mambac.codegen.scan_launch import cast, scan_supports
 
 DEFAULT_CHUNK = 32
 MAX_RANK = 16  # the rank is unrolled in the source; beyond this the reference runs

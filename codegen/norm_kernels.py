@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from mambac.codegen import autotune, render_norm
-from mambac.codegen.conv_norm_ir import AddNormRegion, GatedNormRegion, pow2, stride_hints
-from mambac.codegen.kernel_ir import TileConfig
+from mambac.codegen.conv_norm_ir import AddNormRegion, GatedNormRegion, stride_hints
+from mambac.codegen.kernel_ir import TileConfig, pow2
 from mambac.codegen.ssd_launch import Family, cdiv, run_family
 
 

@@ -56,23 +56,21 @@ def render_dt_backward(r: SSDRegion) -> str:
     args = ["dt_ptr", "a_ptr"] + dt_args(r) + ["dtp_ptr", "ddtd_ptr", "es_ptr", "v_ptr", "mrow_ptr",
                                                "mcol_ptr", "dtot_ptr", "ddt_ptr", "da_ptr"]
     args += ["dbias_ptr"] if r.has_dt_bias else []
-    args += ["L", "H", "NC", "sdb", "sdl", "sdh", "NTR", "RTR", "BSR", "NTC", "RTC", "BSC", "NDT",
-             "QP: tl.constexpr", "RP: tl.constexpr", "CP: tl.constexpr", "TP: tl.constexpr"]
+    args += ["L", "H", "NC", "sdb", "sdl", "sdh", "NT", "BT", "NDT",
+             "QP: tl.constexpr", "KP: tl.constexpr", "TP: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_dt_backward({', '.join(args)}):"):
         w.lines("pid_c = tl.program_id(0)", "pid_bh = tl.program_id(1)", "bh64 = pid_bh.to(tl.int64)",
                 "bi64 = bh64 // H", "h = pid_bh % H", "t = tl.arange(0, QP)", f"mq = t < {q}",
                 f"pos = pid_c * {q} + t", "valid = mq & (pos < L)",
                 f"row = bh64 * (NC * {q}) + pid_c * {q}", "part = bh64 * NC + pid_c",
-                "kr = tl.arange(0, RP)", "kc = tl.arange(0, CP)", "it = tl.arange(0, TP)")
-        w.comment("pair sums: slot k of a position holds partner tile k (of size BS*); with tiles of RT*,")
-        w.comment("row sums exist for partner tiles up to the row's tile, column sums from the column's on")
-        w.line("mr = tl.load(mrow_ptr + (row + t)[:, None] * NTR + kr[None, :], "
-               "mask=mq[:, None] & (kr[None, :] < ((t // RTR + 1) * (RTR // BSR))[:, None]) "
-               "& (kr[None, :] < NTR), other=0.0)")
-        w.line("mc = tl.load(mcol_ptr + (row + t)[:, None] * NTC + kc[None, :], "
-               "mask=mq[:, None] & (kc[None, :] >= ((t // RTC) * (RTC // BSC))[:, None]) "
-               "& (kc[None, :] < NTC), other=0.0)")
+                "k = tl.arange(0, KP)", "it = tl.arange(0, TP)", "own = (t // BT)[:, None]")
+        w.comment("pair sums (ssd_dcb, tiles of BT): slot k of a position holds partner tile k; row sums")
+        w.comment("exist for partner tiles up to the position's own tile, column sums from it on")
+        w.line("mr = tl.load(mrow_ptr + (row + t)[:, None] * NT + k[None, :], "
+               "mask=mq[:, None] & (k[None, :] <= own) & (k[None, :] < NT), other=0.0)")
+        w.line("mc = tl.load(mcol_ptr + (row + t)[:, None] * NT + k[None, :], "
+               "mask=mq[:, None] & (k[None, :] >= own) & (k[None, :] < NT), other=0.0)")
         w.line("v = tl.load(v_ptr + row + t, mask=mq, other=0.0)")
         w.line("dcs = tl.load(es_ptr + row + t, mask=mq, other=0.0) + tl.sum(mr, 1) - tl.sum(mc, 1) - v")
         w.comment("chunk-end terms: the chunk-state path (v) and the state-passing path (tot)")

@@ -35,7 +35,7 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
     header(w, "ssd_dx", r, f"Backward for x (and dt, D) with {heads} head(s) per program.")
     args = ["x_ptr", "b_ptr", "cb_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
     args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr", "ddtd_ptr", "L", "H", "HPG", "NC", "P", "N",
-             "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg", "BM: tl.constexpr",
+             "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "BM: tl.constexpr",
              "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_dx({', '.join(args)}):"):

@@ -15,6 +15,7 @@ The backward stores per-tile partial sums of dw and dbias (fp32); the launcher a
 from __future__ import annotations
 
 from mambac.codegen.conv_norm_ir import ConvRegion
+from mambac.codegen.kernel_ir import pow2
 from mambac.codegen.render_common import file_header, scaled
 from mambac.codegen.writer import Writer
 
@@ -86,15 +87,11 @@ def render_forward(r: ConvRegion) -> str:
         if wm1 > 0:
             w.comment("final state: the last width-1 entries of full, from the first step tile")
             with w.block("if pid_l == 0:"):
-                w.line(f"offs_j = tl.arange(0, {_pow2(wm1)})")
+                w.line(f"offs_j = tl.arange(0, {pow2(wm1)})")
                 w.line(f"fin = {_full_load(r, 'L + offs_j')}")
                 w.line(f"tl.store(final_ptr + (bi64 * D + offs_d[:, None]) * {wm1} + offs_j[None, :], "
                        f"fin.to(final_ptr.dtype.element_ty), mask=m_d[:, None] & (offs_j < {wm1})[None, :])")
     return w.source()
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def render_backward(r: ConvRegion) -> str:

@@ -184,7 +184,7 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
     args += ["d_ptr"] if r.d_mode != "none" else []
     args += ["y_ptr"] if mode == "forward" else ["dyo_ptr", "dz_ptr", "dy_ptr"]
     args += ["dtp_ptr", "cs_ptr", "sin_ptr", "L", "H", "HPG", "NC", "P", "N",
-             "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg"]
+             "sxb", "sxl", "sxh", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
     w.line("@triton.jit")

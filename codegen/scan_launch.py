@@ -13,14 +13,10 @@ from torch import Tensor
 
 from mambac.codegen import autotune
 from mambac.codegen.compile import CompiledKernel, load_kernel
-from mambac.codegen.kernel_ir import IO_DTYPES, TileConfig
+from mambac.codegen.kernel_ir import KERNEL_DTYPES, TileConfig
 
 _SOURCES: dict[tuple, str] = {}
 _PLANS: dict[tuple, tuple[CompiledKernel, TileConfig]] = {}
-
-
-def pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -83,7 +79,7 @@ def scan_supports(*args) -> bool:
     """Whether the scan kernels take a call: its tensors floating point, not float64, on the first
     argument's device, and the first argument of an io dtype (anything else runs the reference)."""
     tensors = [a for a in args if isinstance(a, Tensor)]
-    if not tensors or args[0].dtype not in [v[0] for v in IO_DTYPES.values()]:
+    if not tensors or args[0].dtype not in KERNEL_DTYPES:
         return False
     dev = args[0].device
     return all(t.device == dev and t.dtype != torch.float64 and t.is_floating_point() for t in tensors)

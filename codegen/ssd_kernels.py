@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mambac.codegen import render_fwd
 from mambac.codegen.autotune import interpreting
-from mambac.codegen.kernel_ir import IO_DTYPES, SSDRegion, TileConfig, region_for
+from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
 from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_state_candidates,
                                        head_block_candidates, run_family, state_pass_candidates)
 
@@ -152,7 +152,7 @@ def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Te
 def scan_args(pr: Prepared) -> list:
     """The shared tail of the chunk-scan style kernels' arguments (sizes and strides)."""
     d = pr.dims
-    out = [d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
+    out = [d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.x) + strides3(pr.C)
     return out + (strides3(pr.z) if pr.region.has_z else [])
 
 
@@ -196,7 +196,7 @@ def kernels_support(x: Tensor, *others: Optional[Tensor]) -> bool:
     tensors = [x] + [t for t in others if t is not None]
     if any(t.dtype == torch.float64 for t in tensors):
         return False
-    if x.dtype not in [v[0] for v in IO_DTYPES.values()]:
+    if x.dtype not in KERNEL_DTYPES:
         return False
     return all(t.device == x.device for t in tensors)
 

@@ -107,7 +107,7 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
         dd = torch.empty(dshape, device=dy.device, dtype=torch.float32) if pr.D is not None else None
         args = [pr.x, pr.B, saved.cb, dy] + ([pr.D, dd] if pr.D is not None else [])
         args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
-        args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
+        args += strides3(pr.x) + strides3(pr.B)
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
                     cfg.num_warps, cfg.num_stages)
@@ -157,23 +157,23 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
     return (out[:, :, 0] if out.shape[2] == 1 else out.sum(2)), side
 
 
-def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, c_side: tuple, b_side: tuple,
+def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, es: Tensor, v: Tensor, pairs: tuple,
                     dtot: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(ddt in dt's dtype and layout, dA parts, dt_bias parts or None)."""
+    """(ddt in dt's dtype and layout, dA parts, dt_bias parts or None); ``pairs`` is what
+    ``run_dcb`` gives after dCB: (row sums, column sums, tile size)."""
     d, r = pr.dims, pr.region
-    (es, mrow, (rtr, bsr)), (v, mcol, (rtc, bsc)) = c_side, b_side
+    mrow, mcol, tile = pairs
     ddt = torch.empty(d.b, d.l, d.h, device=ddtd.device, dtype=torch.float32)
     da = torch.empty(d.b * d.h, d.nc, device=ddtd.device, dtype=torch.float32)
     dbias = torch.empty_like(da) if r.has_dt_bias else None
-    ntr, ntc, ndt = mrow.shape[-1], mcol.shape[-1], dtot.shape[-1]
+    nt, ndt = mrow.shape[-1], dtot.shape[-1]
     opt = ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
 
     def launch(kern, cfg: TileConfig) -> None:
         args = [pr.dt, pr.A] + opt + [saved.dtp, ddtd, es, v, mrow, mcol, dtot, ddt, da]
         args += ([dbias] if dbias is not None else []) + [d.l, d.h, d.nc] + strides3(pr.dt)
-        kern.launch((d.nc, d.b * d.h), args + [ntr, rtr, bsr, ntc, rtc, bsc, ndt],
-                    dict(QP=pow2(d.q), RP=pow2(ntr), CP=pow2(ntc), TP=pow2(ndt)),
-                    cfg.num_warps, cfg.num_stages)
+        kern.launch((d.nc, d.b * d.h), args + [nt, tile, ndt],
+                    dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg.num_warps, cfg.num_stages)
 
     run_family(DT_BWD, r, d, launch)
     return ddt, da, dbias
@@ -221,10 +221,10 @@ def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Te
     d = pr.dims
     saved = with_cb(pr, saved)
     dx, ddtd, dd = run_dx(pr, dyv, saved, dsout)
-    dcb, mrow, mcol, tile = run_dcb(pr, dyv, saved)
+    dcb, *pairs = run_dcb(pr, dyv, saved)
     dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb)
     dB, v = run_dbc(pr, "b", dyv, saved, dsout, dcb)
-    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, (es, mrow, (tile, tile)), (v, mcol, (tile, tile)), dtot)
+    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, es, v, tuple(pairs), dtot)
     dA = da.view(d.b, d.h, d.nc).sum((0, 2))
     dD = None if pr.D is None else dd.sum((0, 1, 2))
     dbias = None if dbias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2))

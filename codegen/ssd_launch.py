@@ -7,15 +7,11 @@ candidates it needs, lets autotune pick one for this shape bucket and device, an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from mambac.codegen import autotune
 from mambac.codegen.compile import CompiledKernel, load_kernel
-from mambac.codegen.kernel_ir import SSDRegion, TileConfig
-
-
-def pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+from mambac.codegen.kernel_ir import SSDRegion, TileConfig, pow2
 
 
 def cdiv(a: int, b: int) -> int:
@@ -80,22 +76,30 @@ def kernel_of(fam: Family, region: SSDRegion, cfg: TileConfig) -> CompiledKernel
     return load_kernel(fam.name, lambda: src, region.summary())
 
 
-def run_family(fam: Family, region: SSDRegion, dims: Dims,
-               launch: Callable[[CompiledKernel, TileConfig], Any]) -> Any:
+Launch = Callable[[CompiledKernel, TileConfig], Any]
+
+
+def run_family(fam: Family, region: SSDRegion, dims: Dims, launch: Launch,
+               tuning_launch: Optional[Callable[[], Launch]] = None) -> Any:
     """Choose a config (autotune stage) and launch; returns what ``launch`` returns.
 
     The choice is remembered per (kernel, region, sizes), so later calls go straight to the
-    launch: generated kernels are called many times per training step.
+    launch: generated kernels are called many times per training step.  A kernel that writes
+    over its own input must not be timed on the caller's data: ``tuning_launch`` then makes (once,
+    and only if candidates are timed) the launch autotune runs instead, on scratch buffers.
     """
     plan = _PLANS.get((fam.name, region, dims))
     if plan is not None:
         return launch(*plan)
     cands = fam.candidates(dims)
     family = autotune.family_key(fam.name, [source_of(fam, region, c) for c in cands], cands)
+    timed: list[Launch] = []
 
     def bench(cfg: TileConfig) -> float:
+        if not timed:
+            timed.append(tuning_launch() if tuning_launch is not None else launch)
         kern = kernel_of(fam, region, cfg)
-        return autotune.time_ms(lambda: launch(kern, cfg))
+        return autotune.time_ms(lambda: timed[0](kern, cfg))
 
     cfg = autotune.choose(family, dims.bucket(), cands, bench)
     kernel = kernel_of(fam, region, cfg)

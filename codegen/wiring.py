@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from mambac.codegen.kernel_ir import KERNEL_DTYPES
 from mambac.ops._common import register_device_kernels
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def tensors_supported(*args) -> bool:
@@ -25,7 +25,7 @@ def tensors_supported(*args) -> bool:
     for a in args:
         if not isinstance(a, torch.Tensor):
             continue
-        if a.is_floating_point() and a.dtype not in _KERNEL_DTYPES:
+        if a.is_floating_point() and a.dtype not in KERNEL_DTYPES:
             return False
         if dev is None:
             dev = a.device
@@ -54,7 +54,7 @@ def _ssd_backward(args: list, grads: tuple, needs: tuple) -> tuple:
 
 
 def _ssd_supports(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, *_):
-    return x.dtype in _KERNEL_DTYPES and tensors_supported(x, dt, A, B, C, D, z, dt_bias, initial_state)
+    return x.dtype in KERNEL_DTYPES and tensors_supported(x, dt, A, B, C, D, z, dt_bias, initial_state)
 
 
 def register() -> None:

@@ -53,17 +53,17 @@ def _chunk_stats(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
     return lse, target, valid
 
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the generated softmax kernels run: kernels enabled for the device, no float64
     operand (autocast leaves float64 alone, so these dtypes decide the logits' dtype family), and
     real tensors (fake-tensor runs, such as the memory recorder's or a trace, take the PyTorch
     passes, which save the same tensors)."""
     from torch._guards import detect_fake_mode
-    return (kernels_enabled(hidden.device) and hidden.dtype in _KERNEL_DTYPES
-            and weight.dtype in _KERNEL_DTYPES and detect_fake_mode((hidden, weight)) is None)
+    if not kernels_enabled(hidden.device):
+        return False
+    from mambac.codegen.kernel_ir import KERNEL_DTYPES
+    return (hidden.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
+            and detect_fake_mode((hidden, weight)) is None)
 
 
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, use_kernels: bool):

@@ -91,6 +91,31 @@ def test_autotune_measures_once_and_persists(tmp_path, monkeypatch):
     assert autotune.family_key("k", ["other src"], cands) != fam
 
 
+def test_autotune_of_an_in_place_kernel_times_the_tuning_launch(tmp_path, monkeypatch):
+    """run_family times candidates through ``tuning_launch`` (made once, only when timing), and
+    launches the chosen config through ``launch`` only: the caller's data is written once."""
+    from mambac.codegen import ssd_launch
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autotune, "device_name", lambda: "FakeGPU")
+    monkeypatch.setattr(autotune, "time_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(ssd_launch, "kernel_of", lambda fam, region, cfg: f"kernel{cfg.block_m}")
+    fam = ssd_launch.Family("inplace", lambda r, c: f"src{c.block_m}",
+                            lambda d: [TileConfig(block_m=16), TileConfig(block_m=32)])
+    dims = ssd_launch.Dims(b=1, l=8, h=1, g=1, p=4, n=4, q=8)
+    real, scratch, made = [], [], []
+
+    def tuning():
+        made.append(1)
+        return lambda kern, cfg: scratch.append(kern)
+
+    with knobs.override(cache_dir=str(tmp_path)):
+        ssd_launch.run_family(fam, "region", dims, lambda kern, cfg: real.append(kern), tuning_launch=tuning)
+        ssd_launch.run_family(fam, "region", dims, lambda kern, cfg: real.append(kern), tuning_launch=tuning)
+    assert made == [1] and scratch == ["kernel16", "kernel32"] and real == ["kernel16", "kernel16"]
+    ssd_launch._PLANS.pop(("inplace", "region", dims))
+
+
 def test_region_from_call_arguments():
     x = torch.zeros(1, 4, 2, 3, dtype=torch.bfloat16)
     r = region_for(x, 8, D=torch.zeros(2, 3), z=None, dt_bias=torch.zeros(2), initial_state=None,
