@@ -44,13 +44,17 @@ def render_dcb(r: SSDRegion, unroll: int = 1) -> str:
         emit_positions(w, "s", "pid_k * BT", "BT", q)
         w.lines(f"cb_base = ((bi64 * NC + pid_c) * G + g) * {q * q}",
                 f"inside = (t < {q})[:, None] & (s < {q})[None, :]")
-        with w.block("if pid_k <= pid_m:"):
-            w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
-            w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", "inside"))
-            w.line("wsum = tl.zeros((BT, BT), dtype=tl.float32)")
-            with w.block(f"for h0 in range(hbase, hbase + hps, {unroll}):"):
-                for j in range(unroll):
-                    _pair_head(w, r, f"h0 + {j}")
+        w.comment("below the diagonal the decay factors through r, the s tile's last position:")
+        w.comment("exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
+        for diagonal, cond in ((False, "if pid_k < pid_m:"), (True, "elif pid_k == pid_m:")):
+            with w.block(cond):
+                if diagonal:
+                    w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
+                w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", "inside"))
+                w.line("wsum = tl.zeros((BT, BT), dtype=tl.float32)")
+                with w.block(f"for h0 in range(hbase, hbase + hps, {unroll}):"):
+                    for j in range(unroll):
+                        _pair_head(w, r, f"h0 + {j}", diagonal)
         with w.block("else:"):
             w.line("wsum = tl.zeros((BT, BT), dtype=tl.float32)")
         w.line(f"tl.store(dcb_ptr + hs.to(tl.int64) * DS + cb_base + t[:, None] * {q} + s[None, :], wsum, "
@@ -58,7 +62,7 @@ def render_dcb(r: SSDRegion, unroll: int = 1) -> str:
     return w.source()
 
 
-def _pair_head(w: Writer, r: SSDRegion, hh: str) -> None:
+def _pair_head(w: Writer, r: SSDRegion, hh: str, diagonal: bool) -> None:
     q = r.chunk_size
     w.line(f"row = (bi64 * H + {hh}) * (NC * {q}) + pid_c * {q}")
     w.line(f"cs_t = tl.load(cs_ptr + row + t, mask=t < {q}, other=0.0)")
@@ -66,8 +70,13 @@ def _pair_head(w: Writer, r: SSDRegion, hh: str) -> None:
     w.line(f"dt_s = tl.load(dtp_ptr + row + s, mask=s < {q}, other=0.0)")
     w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", hh, "v_t"))
     w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({hh}) * sxh", "pos_s", "sxl", "offs_p", "v_s", "m_p"))
-    w.line(f"wj = {dot(r, 'dy_t', 'tl.trans(x_s)')} * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], "
-           f"{NEG})) * dt_s[None, :]")
+    if diagonal:
+        w.line(f"wj = {dot(r, 'dy_t', 'tl.trans(x_s)')} * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], "
+               f"{NEG})) * dt_s[None, :]")
+    else:
+        w.line("cs_r = tl.load(cs_ptr + row + pid_k * BT + BT - 1)")
+        w.line(f"wj = {dot(r, 'dy_t', 'tl.trans(x_s)')} * tl.exp(cs_t - cs_r)[:, None]"
+               " * (tl.exp(cs_r - cs_s) * dt_s)[None, :]")
     w.line("wsum += wj")
     w.line("m = wj * cb")
     w.comment("row sums into slot pid_k (the s tile), column sums into slot pid_m (the t tile)")

@@ -46,28 +46,48 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
         emit_dims(w)
         w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
         w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
-        w.comment("path through the state leaving the chunk")
+        w.comment("targets t in tiles wholly after this row tile factor their decay through r, the")
+        w.comment("last position before them:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
+        w.line("dend = (pid_m * BM + BM + BK - 1) // BK * BK")
+        w.line(f"rr = tl.minimum(dend, {q}) - 1")
+        w.comment("path through the state leaving the chunk: exp(cend - cs_s) = exp(cend - cs_r) exp(cs_r - cs_s)")
         for j in range(heads):
             h = f"h0 + {j}"
             w.line(f"row_{j} = (bi64 * H + {h}) * (NC * {q}) + pid_c * {q}")
             w.line(f"cs_s_{j} = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
+            w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + rr)")
             w.line(f"cend = tl.load(cs_ptr + row_{j} + {q - 1})")
             w.line("ds = " + state_tile("dsout_ptr", f"(bi64 * NC + pid_c) * H + {h}", True))
-            w.line(f"acc_{j} = {dot(r, 'b_s', f'ds.to({io})')} * tl.exp(cend - cs_s_{j})[:, None]")
-        w.comment("intra-chunk path: targets t >= s")
-        with w.block(f"for k0 in range((pid_m * BM) // BK * BK, {q}, BK):"):
-            emit_positions(w, "t", "k0", "BK", q)
-            w.line("causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
-            w.comment("B_s.C_t: the transposed tile of ssd_chunk_cb's product")
-            w.line("cbt = " + cb_tile(q, "t[None, :]", "s[:, None]", f"(t < {q})[None, :] & (s < {q})[:, None]"))
-            for j in range(heads):
-                w.line(f"cs_t = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
-                w.line(f"wj = cbt * tl.exp(tl.where(causal, cs_t[None, :] - cs_s_{j}[:, None], {NEG}))")
-                w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", f"h0 + {j}", "v_t"))
-                w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'dy_t', f'acc_{j}')}")
+            w.line(f"acc_{j} = {dot(r, 'b_s', f'ds.to({io})')} * tl.exp(cend - cs_r_{j})")
+        w.comment("intra-chunk path: targets t >= s, first the tiles past r")
+        with w.block(f"for k0 in range(dend, {q}, BK):"):
+            _dx_targets(w, r, heads, diagonal=False)
+        for j in range(heads):
+            w.line(f"acc_{j} = acc_{j} * tl.exp(cs_r_{j} - cs_s_{j})[:, None]")
+        with w.block("for k0 in range((pid_m * BM) // BK * BK, dend, BK):"):
+            _dx_targets(w, r, heads, diagonal=True)
         for j in range(heads):
             _dx_epilogue(w, r, j)
     return w.source()
+
+
+def _dx_targets(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
+    """One target tile t of dx: on the diagonal the full masked decay, past it only the targets'
+    factor exp(cs_t - cs_r) (the rows' factor is applied once, before the diagonal)."""
+    q = r.chunk_size
+    emit_positions(w, "t", "k0", "BK", q)
+    if diagonal:
+        w.line("causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
+    w.comment("B_s.C_t: the transposed tile of ssd_chunk_cb's product")
+    w.line("cbt = " + cb_tile(q, "t[None, :]", "s[:, None]", f"(t < {q})[None, :] & (s < {q})[:, None]"))
+    for j in range(heads):
+        w.line(f"cs_t = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
+        if diagonal:
+            w.line(f"wj = cbt * tl.exp(tl.where(causal, cs_t[None, :] - cs_s_{j}[:, None], {NEG}))")
+        else:
+            w.line(f"wj = cbt * tl.exp(cs_t - cs_r_{j})[None, :]")
+        w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", f"h0 + {j}", "v_t"))
+        w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'dy_t', f'acc_{j}')}")
 
 
 def _dx_epilogue(w: Writer, r: SSDRegion, j: int) -> None:

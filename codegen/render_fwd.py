@@ -196,28 +196,47 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
         emit_dims(w)
         w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
         w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
-        w.comment("contribution of the state entering the chunk")
+        w.comment("tiles of partners s wholly before this row tile factor their decay through the")
+        w.comment("last of them, r = off - 1:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
+        w.line("off = (pid_m * BM) // BK * BK")
+        w.comment("contribution of the state entering the chunk: exp(cs_t) = exp(cs_t - cs_r) exp(cs_r)")
         for j in range(heads):
             w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
             w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
+            w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + off - 1, mask=off > 0, other=0.0)")
             w.line(f"st_{j} = " + state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True))
-            w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}.to({io})')} * tl.exp(cs_t_{j})[:, None]")
+            w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}.to({io})')} * tl.exp(cs_r_{j})")
         w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
-        with w.block("for k0 in range(0, pid_m * BM + BM, BK):"):
-            emit_positions(w, "s", "k0", "BK", q)
-            w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
-            w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", f"(t < {q})[:, None] & (s < {q})[None, :]"))
-            for j in range(heads):
-                w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
-                w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
-                w.line(f"wj = cb * tl.exp(tl.where(causal, cs_t_{j}[:, None] - cs_s[None, :], {NEG}))"
-                       " * dt_s[None, :]")
-                w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + (h0 + {j}) * sxh", "pos_s", "sxl",
-                                           "offs_p", "v_s", "m_p"))
-                w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'x_s', f'acc_{j}')}")
+        with w.block("for k0 in range(0, off, BK):"):
+            _chunk_scan_partners(w, r, heads, diagonal=False)
+        for j in range(heads):
+            w.line(f"acc_{j} = acc_{j} * tl.exp(cs_t_{j} - cs_r_{j})[:, None]")
+        with w.block("for k0 in range(off, pid_m * BM + BM, BK):"):
+            _chunk_scan_partners(w, r, heads, diagonal=True)
         for j in range(heads):
             _chunk_scan_epilogue(w, r, j, mode)
     return w.source()
+
+
+def _chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
+    """One partner tile s of the chunk scan: on the diagonal the full masked decay, before it
+    only the partners' factor exp(cs_r - cs_s) (the rows' factor is applied once, after)."""
+    q = r.chunk_size
+    emit_positions(w, "s", "k0", "BK", q)
+    if diagonal:
+        w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
+    w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", f"(t < {q})[:, None] & (s < {q})[None, :]"))
+    for j in range(heads):
+        w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
+        w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
+        if diagonal:
+            w.line(f"wj = cb * tl.exp(tl.where(causal, cs_t_{j}[:, None] - cs_s[None, :], {NEG}))"
+                   " * dt_s[None, :]")
+        else:
+            w.line(f"wj = cb * (tl.exp(cs_r_{j} - cs_s) * dt_s)[None, :]")
+        w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + (h0 + {j}) * sxh", "pos_s", "sxl",
+                                   "offs_p", "v_s", "m_p"))
+        w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'x_s', f'acc_{j}')}")
 
 
 def _chunk_scan_epilogue(w: Writer, r: SSDRegion, j: int, mode: str) -> None:

@@ -124,7 +124,9 @@ _DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3))
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
     hb = _divisors(d.hpg, (4, 2, 1))
     if autotune.interpreting():
-        return [TileConfig(block_m=16, block_k=16, heads=min(hb[0], 2), num_warps=1)]
+        # row tiles of two partner tiles, so that the interpreter runs the factored off-diagonal
+        # partners and the masked diagonal ones in one program
+        return [TileConfig(block_m=32, block_k=16, heads=min(hb[0], 2), num_warps=1)]
     big = max(d.pp, d.np_) > 128
     out = [TileConfig(block_m=bm, block_k=bk, heads=h, num_warps=w, num_stages=st)
            for h, bm, bk, w, st in table if h in hb and not (big and h > 1)]

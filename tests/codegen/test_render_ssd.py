@@ -78,11 +78,19 @@ def test_absent_prologue_steps_leave_no_code():
 
 def test_chunk_scan_epilogue_order_and_heads_unrolled():
     src = render_fwd.render_chunk_scan(region(d_mode="head_dim"), 3, "forward")
-    assert_in_order(src, "acc_0 = tl.dot(c_t", "acc_1 = tl.dot(c_t", "acc_2 = tl.dot(c_t",
-                    "for k0 in range(", "causal = ", "cb = tl.load(cb_ptr + cb_base", "mask=(t < ",
-                    "acc_2 = tl.dot(", "# epilogue of head 0", "y = y + x_t * tl.load(d_ptr", "y = y * zz * sg",
+    assert_in_order(src, "off = (pid_m * BM) // BK * BK", "acc_0 = tl.dot(c_t", "* tl.exp(cs_r_0)",
+                    "acc_1 = tl.dot(c_t", "acc_2 = tl.dot(c_t",
+                    # partners before the row tile: the decay factored through r, no mask
+                    "for k0 in range(0, off, BK):", "cb = tl.load(cb_ptr + cb_base", "mask=(t < ",
+                    "wj = cb * (tl.exp(cs_r_0 - cs_s) * dt_s)[None, :]", "acc_2 = tl.dot(",
+                    "acc_0 = acc_0 * tl.exp(cs_t_0 - cs_r_0)[:, None]",
+                    # the diagonal partners: the full masked decay
+                    "for k0 in range(off, pid_m * BM + BM, BK):", "causal = ", "cb = tl.load(cb_ptr + cb_base",
+                    "tl.exp(tl.where(causal, cs_t_0[:, None] - cs_s[None, :]", "acc_2 = tl.dot(",
+                    "# epilogue of head 0", "y = y + x_t * tl.load(d_ptr", "y = y * zz * sg",
                     "tl.store(y_ptr", "# epilogue of head 2")
-    assert "acc_3" not in src and src.count("cb = tl.load") == 1 and not re.search(r"\bb_ptr", src)
+    assert "acc_3" not in src and src.count("cb = tl.load") == 2 and not re.search(r"\bb_ptr", src)
+    assert src.count("causal = ") == 1
 
 
 def test_chunk_cb_writes_causal_tile_pairs_once_per_group():
@@ -91,7 +99,11 @@ def test_chunk_cb_writes_causal_tile_pairs_once_per_group():
                     "c_t = tl.load(c_ptr", "b_s = tl.load(b_ptr", "cb = tl.dot(c_t, tl.trans(b_s))", "else:",
                     "cb = tl.zeros((BM, BK)", "tl.store(cb_ptr + base")
     dx = render_bwd_tiles.render_dx(region(), 1)
-    assert_in_order(dx, "cb_base = ", "for k0 in range(", "causal = ", "cbt = tl.load(cb_ptr", "mask=(t < ")
+    assert_in_order(dx, "cb_base = ", "dend = ", "rr = tl.minimum(dend, 64) - 1", "tl.exp(cend - cs_r_0)",
+                    "for k0 in range(dend, 64, BK):", "cbt = tl.load(cb_ptr", "mask=(t < ",
+                    "wj = cbt * tl.exp(cs_t - cs_r_0)[None, :]",
+                    "acc_0 = acc_0 * tl.exp(cs_r_0 - cs_s_0)[:, None]",
+                    "for k0 in range((pid_m * BM) // BK * BK, dend, BK):", "causal = ", "cbt = tl.load(cb_ptr")
     assert "c_ptr" not in dx.replace("cb_ptr", "")
 
 
@@ -127,10 +139,14 @@ def test_backward_sources_in_order():
                     "dcb = tl.load(dcb_ptr + cb_base + t[None, :]", "acc = tl.dot(dcb.to(tl.bfloat16), c_p, acc)")
     assert "gm = " not in dc + db and "pair_ptr" not in dc + db
     pairs = render_bwd_pairs.render_dcb(region(), 2)
-    assert_in_order(pairs, "def ssd_dcb(", "if pid_k <= pid_m:", "cb = tl.load(cb_ptr",
-                    "for h0 in range(hbase, hbase + hps, 2):", "(h0 + 0) * sxh", "tl.dot(dy_t, tl.trans(x_s))",
-                    "wsum += wj", "m = wj * cb", "tl.store(mrow_ptr", "tl.sum(m, 1)", "tl.store(mcol_ptr",
-                    "tl.sum(m, 0)", "(h0 + 1) * sxh", "else:", "wsum = tl.zeros", "tl.store(dcb_ptr + hs.to(tl.int64) * DS")
+    head_steps = ("for h0 in range(hbase, hbase + hps, 2):", "(h0 + 0) * sxh", "tl.dot(dy_t, tl.trans(x_s))",
+                  "wsum += wj", "m = wj * cb", "tl.store(mrow_ptr", "tl.sum(m, 1)", "tl.store(mcol_ptr",
+                  "tl.sum(m, 0)", "(h0 + 1) * sxh")
+    assert_in_order(pairs, "def ssd_dcb(", "if pid_k < pid_m:", "cb = tl.load(cb_ptr", *head_steps[:2],
+                    "cs_r = tl.load(cs_ptr + row + pid_k * BT + BT - 1)", head_steps[2],
+                    "tl.exp(cs_t - cs_r)[:, None]", *head_steps[3:], "elif pid_k == pid_m:", "causal = ",
+                    "cb = tl.load(cb_ptr", *head_steps[:3], "tl.exp(tl.where(causal", *head_steps[3:],
+                    "else:", "wsum = tl.zeros", "tl.store(dcb_ptr + hs.to(tl.int64) * DS")
     assert_in_order(db, "for sp in range(1, NS):", "dcb += tl.load(dcb_ptr + sp * DS")
     sp = render_bwd.render_state_pass_bwd(region())
     assert_in_order(sp, "for cc in range(0, NC):", "tl.store(dsout_ptr", "tl.store(dtot_ptr",

@@ -74,7 +74,9 @@ NOLIM = (0.0, math.inf)
          limit=(0.05, 2.0)),
     dict(shape=(1, 30, 4, 8, 8, 1, 12), flags=dict(D="head", z=True, init=True, bias=True),
          softplus=False, limit=(0.05, 0.5)),
-], ids=["plain-L20", "Dhd-init-bias-L16", "z-clamp-L7<chunk", "all-chunk12"])
+    dict(shape=(1, 100, 4, 4, 8, 2, 48), flags=dict(D="head", z=True, init=True), softplus=True,
+         limit=NOLIM),
+], ids=["plain-L20", "Dhd-init-bias-L16", "z-clamp-L7<chunk", "all-chunk12", "tiles-chunk48-L100"])
 def test_fp32_matches_referee(case):
     b, l, h, p, n, g, q = case["shape"]
     args = make_inputs(len(str(case)), b, l, h, p, n, g, softplus=case["softplus"], **case["flags"])
