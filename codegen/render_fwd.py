@@ -89,9 +89,10 @@ def chunk_state_block(w: Writer, r: SSDRegion, q: int) -> None:
     w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + h * sxh", "pos_s", "sxl", "offs_p", "v_s",
                                "m_p", transpose=True))
     w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
-    w.line("bw = " + to_io(r, "b_s.to(tl.float32) * (d * tl.exp(end - cs))[:, None]"))
+    w.comment("the step weights scale x (BP x BT), not the larger B tile, which goes to the dot as loaded")
+    w.line("xw = " + to_io(r, "x_s.to(tl.float32) * (d * tl.exp(end - cs))[None, :]"))
     w.comment("rescale what earlier blocks added to this block's end, then add this block")
-    w.line("acc = " + dot(r, "x_s", "bw", "acc * tl.exp(end - run)"))
+    w.line("acc = " + dot(r, "xw", "b_s", "acc * tl.exp(end - run)"))
     w.line("run = end")
 
 
@@ -100,8 +101,8 @@ def _chunk_state_dstate_body(w: Writer, r: SSDRegion, q: int) -> None:
     w.line("dy_s = tl.load(dy_ptr + ((bi64 * L + pos_s[None, :]) * H + h) * P + offs_p[:, None], "
            "mask=v_s[None, :] & m_p[:, None], other=0.0)")
     w.line("c_s = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_s", "scl", "offs_n", "v_s", "m_n"))
-    w.line("cw = " + to_io(r, "c_s.to(tl.float32) * tl.exp(cs)[:, None]"))
-    w.line("acc = " + dot(r, "dy_s", "cw", "acc"))
+    w.line("dyw = " + to_io(r, "dy_s.to(tl.float32) * tl.exp(cs)[None, :]"))
+    w.line("acc = " + dot(r, "dyw", "c_s", "acc"))
 
 
 def render_state_pass(r: SSDRegion) -> str:

@@ -117,8 +117,9 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
 # chunk scan, us): 2 heads 64 rows 303 / 409, 1 head 128 rows 8 warps 305 / 415, 1 head 333 / 448;
 # 4 heads (544 / 733) and 2 heads at 8 warps (513 / 690) were dropped; dx 64 x 32 348 / 474, the
 # 64 x 64 tiles 445-447 / 606-609
-_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 128, 64, 8, 2), (1, 64, 64, 4, 3))
-_DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3))
+_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 128, 64, 8, 2), (1, 64, 64, 4, 3), (1, 64, 32, 4, 3),
+                     (2, 64, 32, 4, 2))
+_DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3), (2, 64, 32, 4, 2), (1, 128, 32, 8, 2))
 
 
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
@@ -148,7 +149,8 @@ def chunk_state_candidates(d: Dims) -> list[TileConfig]:
         return [TileConfig(block_m=d.pp, block_k=16, num_warps=1)]
     bp = min(d.pp, 64)
     return [TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3),
-            TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4)]
+            TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
+            TileConfig(block_m=min(d.pp, 32), block_k=64, num_warps=4, num_stages=3)]
 
 
 def dstate_candidates(d: Dims) -> list[TileConfig]:
