@@ -112,14 +112,13 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
 
 
 # (heads, block_m, block_k, num_warps, num_stages): the fastest tiles measured on an H200 at
-# headdim 64 / dstate 128 (benchmarks/NOTES_ssd.md), best first; 8-warp tiles and 3-stage head
-# blocks were 1.5-2x slower there and are not tried.  With C B^T read from ssd_chunk_cb (S1 / S2
-# chunk scan, us): 2 heads 64 rows 303 / 409, 1 head 128 rows 8 warps 305 / 415, 1 head 333 / 448;
-# 4 heads (544 / 733) and 2 heads at 8 warps (513 / 690) were dropped; dx 64 x 32 348 / 474, the
-# 64 x 64 tiles 445-447 / 606-609
-_HEAD_BLOCK_TILES = ((2, 64, 64, 4, 2), (1, 128, 64, 8, 2), (1, 64, 64, 4, 3), (1, 64, 32, 4, 3),
-                     (2, 64, 32, 4, 2))
-_DX_TILES = ((1, 64, 32, 4, 3), (1, 64, 64, 4, 3), (2, 64, 32, 4, 2), (1, 128, 32, 8, 2))
+# headdim 64 / dstate 128 (benchmarks/NOTES_ssd.md, v5), best first.  Chunk scan at S1 / S2 (us):
+# 1 head 64 x 32 269 / 366, 2 heads 64 x 64 279 / 378; dropped: 2 heads 64 x 32 278 / 383, 1 head
+# 64 x 64 378 / 508, 1 head 128 rows at 8 warps 459 / 624 (4 heads and 2 heads at 8 warps were 1.5-2x
+# slower in v4).  dx: 1 head 64 x 32 343 / 464, 2 heads 64 x 32 379 / 518; dropped: 64 x 64 465 /
+# 625, 128 rows at 8 warps 589 / 813.
+_HEAD_BLOCK_TILES = ((1, 64, 32, 4, 3), (2, 64, 64, 4, 2))
+_DX_TILES = ((1, 64, 32, 4, 3), (2, 64, 32, 4, 2))
 
 
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
@@ -147,10 +146,10 @@ def chunk_state_candidates(d: Dims) -> list[TileConfig]:
     """Tiles of the per-chunk state reductions: block_m is the headdim tile, block_k the steps."""
     if autotune.interpreting():
         return [TileConfig(block_m=d.pp, block_k=16, num_warps=1)]
+    # H200, S1 / S2 (us): 32 steps 99 / 143, 64 steps 115 / 161; a 32-wide headdim tile 190 / 257
     bp = min(d.pp, 64)
-    return [TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3),
-            TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
-            TileConfig(block_m=min(d.pp, 32), block_k=64, num_warps=4, num_stages=3)]
+    return [TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
+            TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3)]
 
 
 def dstate_candidates(d: Dims) -> list[TileConfig]:
