@@ -287,18 +287,24 @@ def time_parts(cg, shape: dict) -> None:
 
 
 def summary() -> None:
-    print("\n| shape | impl | fwd us | fwd+bwd us |\n|---|---|---|---|")
+    print("\n| shape | impl | fwd us | fwd+bwd us | fwd+bwd graphed us |\n|---|---|---|---|---|")
     for tag in ("S1", "S2"):
         for name in ("mambac", "mamba_ssm"):
             f, fb = RES.get(f"{tag} {name} fwd us"), RES.get(f"{tag} {name} fwd+bwd us")
             if f is not None:
-                print(f"| {tag} | {name} | {f} | {fb} |")
+                print(f"| {tag} | {name} | {f} | {fb} | {RES.get(f'{tag} {name} fwd+bwd graphed us', '-')} |")
         m, o = RES.get(f"{tag} mamba_ssm fwd us"), RES.get(f"{tag} mambac fwd us")
         if m and o:
             print(f"| {tag} | anchor ratio (this run / ANCHORS) | {m / ANCHOR_US[(tag, 'fwd')]:.2f} | "
-                  f"{RES.get(f'{tag} mamba_ssm fwd+bwd us', 0) / ANCHOR_US[(tag, 'fwd+bwd')]:.2f} |")
-            print(f"| {tag} | mamba_ssm / mambac | {m / o:.2f}x | "
-                  f"{RES.get(f'{tag} mamba_ssm fwd+bwd us', 0) / max(RES.get(f'{tag} mambac fwd+bwd us', 1), 1e-9):.2f}x |")
+                  f"{RES.get(f'{tag} mamba_ssm fwd+bwd us', 0) / ANCHOR_US[(tag, 'fwd+bwd')]:.2f} | - |")
+            print(f"| {tag} | mamba_ssm / mambac | {m / o:.2f}x | {_ratio(tag, 'fwd+bwd')} | "
+                  f"{_ratio(tag, 'fwd+bwd graphed')} |")
+
+
+def _ratio(tag: str, what: str) -> str:
+    """mamba_ssm's time over mambac's for one measurement, when both are numbers."""
+    m, o = RES.get(f"{tag} mamba_ssm {what} us"), RES.get(f"{tag} mambac {what} us")
+    return f"{m / o:.2f}x" if isinstance(m, float) and isinstance(o, float) and o > 0 else "-"
 
 
 def main(argv: list[str]) -> None:
