@@ -11,7 +11,8 @@ The model is ``mamba2-130m`` (d_model 768, 24 layers, vocab 50277 padded to 5028
 headdim 64, expand 2, chunk 256), random weights, fp32 parameters, bf16 autocast on CUDA, AdamW
 (fused on CUDA), mean cross-entropy over every token.  For each kernel mode two fresh processes
 run: *cold* with empty MAMBAC_CACHE_DIR and TRITON_CACHE_DIR (generated sources, autotune choices
-and Triton binaries all made anew) and *warm* with the caches the cold run left.  Each reports the
+and Triton binaries all made anew) and *warm* with the caches the cold run left (``--once``: the
+cold process only).  Each reports the
 time from ``mambac.compile`` to the end of the first optimizer step (compile, lower, autotune,
 first step), then times ``--steps`` steps after ``--warmup`` more: tokens/s and
 ``torch.cuda.max_memory_allocated`` (the JSON adds ``max_memory_reserved``).  ``--cuda-graphs``
@@ -141,7 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="tiny LM on the CPU (checks the script)")
-    ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache run")
+    ap.add_argument("--once", "--no-cold", dest="no_cold", action="store_true",
+                    help="one process only: it starts from empty caches, so it is reported as cold "
+                         "(--no-cold, the old name, used to label that process warm)")
     ap.add_argument("--cuda-graphs", action="store_true", help="compile with cuda_graphs=True (GPU only)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU: after the timed steps, profile 3 more and print kernel time by kind (step_profile.py)")
@@ -158,8 +161,9 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory(prefix="mambac-bench-") as tmp:
             caches = {"MAMBAC_CACHE_DIR": f"{tmp}/mambac", "TRITON_CACHE_DIR": f"{tmp}/triton"}
-            runs = [] if args.no_cold else [("cold", run_child(args, mode, caches))]
-            runs.append(("warm", run_child(args, mode, caches)))
+            runs = [("cold", run_child(args, mode, caches))]
+            if not args.no_cold:  # a second process on the caches the first one left
+                runs.append(("warm", run_child(args, mode, caches)))
         for temp, res in runs:
             rows.append(dict(res, cache=temp))
             print(json.dumps(rows[-1]), flush=True)
