@@ -88,7 +88,7 @@ def autocast(device: str):
 def correctness(args, device: str, rank: int, world: int) -> list[str]:
     tol = {"logits": 3e-2, "loss": 1e-2, "grad": 5e-2} if device != "cpu" else {"logits": 1e-5, "loss": 1e-5,
                                                                                  "grad": 1e-5}
-    rows = [f"| model | layout | logits | loss | worst grad | tolerance (logits/loss/grad) | ok |", "|" + "---|" * 7]
+    rows = ["| model | layout | logits | loss | worst grad | tolerance (logits/loss/grad) | ok |", "|" + "---|" * 7]
     models = TINY if args.tiny else GPU_CORRECT
     seqlen = 37 if args.tiny else 1000            # not a multiple of cp x chunk
     for family, cfg in models.items():
