@@ -16,6 +16,9 @@ Commands (default: check time parts):
   graphed     with ``time``: fwd+bwd also replayed from a CUDA graph, which leaves out the host's
               launch cost (a failed capture can leave the CUDA context unusable for the rest of the process)
   parts       time of each generated kernel alone at S1
+  variants    the chunk scan and dx alone at S1 and S2 with each tile of VARIANTS (outside the
+              candidate lists, e.g. with a register cap), and each result's difference from the
+              default tile's
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
 Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
@@ -31,6 +34,7 @@ import os
 import sys
 import traceback
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -286,6 +290,60 @@ def time_parts(cg, shape: dict) -> None:
             traceback.print_exc()
 
 
+# (heads, block_m, block_k, num_warps, num_stages, maxnreg): tiles to try beside the candidate
+# lists' first (benchmarks/NOTES_ssd.md, "Next experiments": 2 stages under a 128-register cap
+# would hold 4 CTAs per SM)
+VARIANTS = {"CHUNK_SCAN": ((1, 64, 32, 4, 3, None), (1, 64, 32, 4, 2, None), (1, 64, 32, 4, 2, 128),
+                           (1, 64, 32, 4, 3, 128), (2, 64, 64, 4, 2, None)),
+            "DX": ((1, 64, 32, 4, 3, None), (1, 64, 32, 4, 2, None), (1, 64, 32, 4, 2, 128),
+                   (1, 64, 32, 4, 3, 128))}
+
+
+def time_variants(tag: str, shape: dict, timer=None) -> None:
+    """The chunk scan and dx with each tile of VARIANTS: time (``timer``, default ``bench_ms``) and
+    the largest relative difference of the output from the default tile's."""
+    timer = timer or bench_ms
+    fk = importlib.import_module("mambac.codegen.ssd_kernels")
+    bk = importlib.import_module("mambac.codegen.ssd_kernels_bwd")
+    sl = importlib.import_module("mambac.codegen.ssd_launch")
+    TileConfig = importlib.import_module("mambac.codegen.kernel_ir").TileConfig
+    s = dict(shape)
+    q = s.pop("q")
+    ins = inputs(**s)
+    pr = fk.prepare(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], ins["D"], None, ins["dt_bias"],
+                    None, q, True, 0.0, math.inf)
+    states, dtp, cs = fk.run_chunk_state(pr)
+    sin, _ = fk.run_state_pass(pr, states, cs)
+    saved = fk.SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=fk.run_chunk_cb(pr))
+    dy = torch.randn_like(ins["x"])
+    dfin = torch.zeros(s["b"], s["h"], s["p"], s["n"], device=ins["x"].device)
+    dsout = bk.run_state_pass_bwd(pr, bk.run_dstate(pr, dy, cs), saved, dfin)[0]
+    runs = {"CHUNK_SCAN": (fk, lambda: fk.run_chunk_scan(pr, dtp, cs, sin, saved.cb)),
+            "DX": (bk, lambda: bk.run_dx(pr, dy, saved, dsout)[0])}
+    for fam_name, tiles in VARIANTS.items():
+        module, run = runs[fam_name]
+        original = getattr(module, fam_name)
+        sl._PLANS.clear()
+        ref = run().float()
+        try:
+            for h, bm, bkk, w, st, mr in tiles:
+                cfg = TileConfig(block_m=bm, block_k=bkk, heads=h, num_warps=w, num_stages=st, maxnreg=mr)
+                if s["h"] // s["g"] % h:
+                    continue
+                setattr(module, fam_name, replace(original, candidates=lambda d, c=cfg: [c]))
+                sl._PLANS.clear()
+                key = f"{tag} variant {original.name} {cfg.to_json()}"
+                try:
+                    diff = rel(run().float(), ref)
+                    rec(f"{key} us", round(timer(run) * 1e3, 1))
+                    rec(f"{key} rel diff vs default", f"{diff:.2e}")
+                except Exception as exc:
+                    rec(f"{key} us", f"failed: {exc!r}"[:160])
+        finally:
+            setattr(module, fam_name, original)
+            sl._PLANS.clear()
+
+
 def summary() -> None:
     print("\n| shape | impl | fwd us | fwd+bwd us | fwd+bwd graphed us |\n|---|---|---|---|---|")
     for tag in ("S1", "S2"):
@@ -328,6 +386,9 @@ def main(argv: list[str]) -> None:
         time_case(cg, mamba, "S2", S2)
     if "parts" in what:
         time_parts(cg, S1)
+    if "variants" in what:
+        time_variants("S1", S1)
+        time_variants("S2", S2)
     for which in CHECKS:
         if which in what:
             run_checks(cg, which)

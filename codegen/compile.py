@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -50,12 +50,17 @@ class CompiledKernel:
         return cache.content_hash(self.source)
 
     def launch(self, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, int],
-               num_warps: int, num_stages: int) -> None:
-        """Run the kernel; on failure write a launch repro and raise ``CodegenError``."""
+               num_warps: int, num_stages: int, maxnreg: Optional[int] = None) -> None:
+        """Run the kernel; on failure write a launch repro and raise ``CodegenError``.
+
+        ``maxnreg`` (registers per thread) is passed to Triton only when set."""
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
         try:
-            self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            self.fn[grid](*args, **constexprs, **options)
         except Exception as exc:
-            repro = write_launch_repro(self, grid, args, constexprs, num_warps, num_stages)
+            repro = write_launch_repro(self, grid, args, constexprs, options)
             raise CodegenError(f"launch of generated kernel {self.name} failed: {exc!r}\n"
                                f"  source: {self.path}\n  repro:  python {repro}") from exc
 
@@ -145,7 +150,7 @@ def _describe_arg(a: Any) -> str:
 
 
 def write_launch_repro(kernel: CompiledKernel, grid: tuple[int, ...], args: Sequence[Any],
-                       constexprs: dict[str, int], num_warps: int, num_stages: int) -> Path:
+                       constexprs: dict[str, int], options: dict[str, int]) -> Path:
     """A script that launches the kernel alone with random inputs of the failing layout."""
     arg_text = ",\n    ".join(_describe_arg(a) for a in args)
     body = f'''# repro of a failed launch of generated kernel {kernel.name}
@@ -168,7 +173,7 @@ spec.loader.exec_module(mod)
 args = [
     {arg_text},
 ]
-mod.{kernel.name}[{grid!r}](*args, **{constexprs!r}, num_warps={num_warps}, num_stages={num_stages})
+mod.{kernel.name}[{grid!r}](*args, **{constexprs!r}, **{options!r})
 print("launch finished")
 '''
     path = kernel.path.with_name("repro.py")

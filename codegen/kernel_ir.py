@@ -116,7 +116,9 @@ class TileConfig:
 
     ``heads`` changes the rendered source (heads handled per program, unrolled); ``splits`` is how
     many programs share one group's heads (their partial sums are added afterwards); the block
-    sizes are constexpr arguments; ``num_warps``/``num_stages`` go to the launch.
+    sizes are constexpr arguments; ``num_warps``/``num_stages`` go to the launch, and so does
+    ``maxnreg`` (a cap on registers per thread, Triton's launch option of that name) where set,
+    which the SSD kernels honour.
     """
 
     block_m: int = 64
@@ -125,9 +127,13 @@ class TileConfig:
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: Optional[int] = None
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if fields["maxnreg"] is None:  # configs without a cap keep the keys they were stored under
+            del fields["maxnreg"]
+        return json.dumps(fields, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "TileConfig":

@@ -66,6 +66,44 @@ def test_render_failure_names_a_repro(tmp_path):
     assert "no such flag" in open(str(info.value).split("repro: python ")[1].strip()).read()
 
 
+FAKE_LAUNCHER = """
+CALLS = []
+
+
+class _Kernel:
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            CALLS.append((grid, args, kwargs))
+            if kwargs.get("FAIL"):
+                raise RuntimeError("launch refused")
+        return run
+
+
+fake_launch = _Kernel()
+"""
+
+
+def test_launch_passes_a_register_cap_only_when_set(tmp_path):
+    with knobs.override(cache_dir=str(tmp_path)):
+        k = load_kernel("fake_launch", lambda: FAKE_LAUNCHER)
+        k.launch((2, 1), [3], {"BM": 16}, 4, 2)
+        k.launch((2, 1), [3], {"BM": 16}, 8, 3, maxnreg=128)
+        assert k.module.CALLS == [((2, 1), (3,), dict(BM=16, num_warps=4, num_stages=2)),
+                                  ((2, 1), (3,), dict(BM=16, num_warps=8, num_stages=3, maxnreg=128))]
+        with pytest.raises(CodegenError, match="launch refused") as info:
+            k.launch((1,), [], {"FAIL": 1}, 4, 2, maxnreg=96)
+    repro = open(str(info.value).split("repro:  python ")[1].strip()).read()
+    assert "'num_warps': 4, 'num_stages': 2, 'maxnreg': 96" in repro
+
+
+def test_tile_config_json_keeps_old_keys_without_a_register_cap():
+    plain = TileConfig(block_m=32, heads=2)
+    assert "maxnreg" not in json.loads(plain.to_json())
+    capped = TileConfig(block_m=32, num_stages=2, maxnreg=128)
+    assert json.loads(capped.to_json())["maxnreg"] == 128
+    assert TileConfig.from_json(plain.to_json()) == plain and TileConfig.from_json(capped.to_json()) == capped
+
+
 def test_autotune_measures_once_and_persists(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
