@@ -251,8 +251,9 @@ def time_case(cg, mamba, tag: str, shape: dict, fwd_only_timing: bool = False,
     torch.cuda.empty_cache()
 
 
-def time_parts(cg, shape: dict) -> None:
-    """Each generated kernel alone at one shape (launch order of fwd, then bwd)."""
+def forward_pieces(shape: dict):
+    """The kernel modules and, at one shape, what the forward leaves for the backward kernels:
+    (fk, bk, pr, states, saved, dy, dfin)."""
     fk = importlib.import_module("mambac.codegen.ssd_kernels")
     bk = importlib.import_module("mambac.codegen.ssd_kernels_bwd")
     s = dict(shape)
@@ -262,11 +263,17 @@ def time_parts(cg, shape: dict) -> None:
                     None, q, True, 0.0, math.inf)
     states, dtp, cs = fk.run_chunk_state(pr)
     sin, _ = fk.run_state_pass(pr, states, cs)
-    cb = fk.run_chunk_cb(pr)
-    saved = fk.SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
+    saved = fk.SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=fk.run_chunk_cb(pr))
     dy = torch.randn_like(ins["x"])
+    dfin = torch.zeros(s["b"], s["h"], s["p"], s["n"], device=ins["x"].device)
+    return fk, bk, pr, states, saved, dy, dfin
+
+
+def time_parts(cg, shape: dict) -> None:
+    """Each generated kernel alone at one shape (launch order of fwd, then bwd)."""
+    fk, bk, pr, states, saved, dy, dfin = forward_pieces(shape)
+    dtp, cs, sin, cb = saved.dtp, saved.cs, saved.sin, saved.cb
     dst = bk.run_dstate(pr, dy, cs)
-    dfin = torch.zeros(s["b"], s["h"], s["p"], s["n"], device=DEV)
     dsout, _, dtot = bk.run_state_pass_bwd(pr, dst, saved, dfin)
     _, ddtd, _ = bk.run_dx(pr, dy, saved, dsout)
     dcb, *pairs = bk.run_dcb(pr, dy, saved)
@@ -303,21 +310,12 @@ def time_variants(tag: str, shape: dict, timer=None) -> None:
     """The chunk scan and dx with each tile of VARIANTS: time (``timer``, default ``bench_ms``) and
     the largest relative difference of the output from the default tile's."""
     timer = timer or bench_ms
-    fk = importlib.import_module("mambac.codegen.ssd_kernels")
-    bk = importlib.import_module("mambac.codegen.ssd_kernels_bwd")
     sl = importlib.import_module("mambac.codegen.ssd_launch")
     TileConfig = importlib.import_module("mambac.codegen.kernel_ir").TileConfig
-    s = dict(shape)
-    q = s.pop("q")
-    ins = inputs(**s)
-    pr = fk.prepare(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], ins["D"], None, ins["dt_bias"],
-                    None, q, True, 0.0, math.inf)
-    states, dtp, cs = fk.run_chunk_state(pr)
-    sin, _ = fk.run_state_pass(pr, states, cs)
-    saved = fk.SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=fk.run_chunk_cb(pr))
-    dy = torch.randn_like(ins["x"])
-    dfin = torch.zeros(s["b"], s["h"], s["p"], s["n"], device=ins["x"].device)
+    fk, bk, pr, _, saved, dy, dfin = forward_pieces(shape)
+    dtp, cs, sin = saved.dtp, saved.cs, saved.sin
     dsout = bk.run_state_pass_bwd(pr, bk.run_dstate(pr, dy, cs), saved, dfin)[0]
+    d = pr.dims
     runs = {"CHUNK_SCAN": (fk, lambda: fk.run_chunk_scan(pr, dtp, cs, sin, saved.cb)),
             "DX": (bk, lambda: bk.run_dx(pr, dy, saved, dsout)[0])}
     for fam_name, tiles in VARIANTS.items():
@@ -328,7 +326,7 @@ def time_variants(tag: str, shape: dict, timer=None) -> None:
         try:
             for h, bm, bkk, w, st, mr in tiles:
                 cfg = TileConfig(block_m=bm, block_k=bkk, heads=h, num_warps=w, num_stages=st, maxnreg=mr)
-                if s["h"] // s["g"] % h:
+                if d.hpg % h:
                     continue
                 setattr(module, fam_name, replace(original, candidates=lambda d, c=cfg: [c]))
                 sl._PLANS.clear()
