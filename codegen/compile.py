@@ -17,12 +17,13 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from mambac.errors import MambacError
 from mambac.codegen import cache
+from mambac.codegen.kernel_ir import TileConfig
 
 STAGES = ("render", "write", "import", "autotune")
 
@@ -50,13 +51,10 @@ class CompiledKernel:
         return cache.content_hash(self.source)
 
     def launch(self, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, int],
-               num_warps: int, num_stages: int, maxnreg: Optional[int] = None) -> None:
-        """Run the kernel; on failure write a launch repro and raise ``CodegenError``.
-
-        ``maxnreg`` (registers per thread) is passed to Triton only when set."""
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-        if maxnreg is not None:
-            options["maxnreg"] = maxnreg
+               cfg: TileConfig) -> None:
+        """Run the kernel with ``cfg``'s launch options; on failure write a launch repro and raise
+        ``CodegenError``."""
+        options = cfg.launch_options()
         try:
             self.fn[grid](*args, **constexprs, **options)
         except Exception as exc:

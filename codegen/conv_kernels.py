@@ -83,7 +83,7 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_stat
 
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(l, cfg.block_k), cdiv(dim, cfg.block_m), b), head + [y, final, l, dim] + tail,
-                    dict(BD=cfg.block_m, BL=cfg.block_k), cfg.num_warps, cfg.num_stages)
+                    dict(BD=cfg.block_m, BL=cfg.block_k), cfg)
 
     run_family(FWD, r, dims, launch)
     return y, final
@@ -115,8 +115,7 @@ def conv_backward(dy: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, wei
         db = torch.empty(b, nt, dim, device=x.device, dtype=torch.float32) if r.has_bias else None
         args = head + [dw] + ([db] if db is not None else []) + [l, dim, nt] + _strides(x)
         args += (_strides(initial_state) if r.has_initial_state else []) + _strides(dy) + _strides(dx)
-        kern.launch((nt, cdiv(dim, cfg.block_m), b), args, dict(BD=cfg.block_m, BL=cfg.block_k),
-                    cfg.num_warps, cfg.num_stages)
+        kern.launch((nt, cdiv(dim, cfg.block_m), b), args, dict(BD=cfg.block_m, BL=cfg.block_k), cfg)
         return dw, db
 
     dw, db = run_family(BWD, r, dims, launch)

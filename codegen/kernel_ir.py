@@ -116,9 +116,8 @@ class TileConfig:
 
     ``heads`` changes the rendered source (heads handled per program, unrolled); ``splits`` is how
     many programs share one group's heads (their partial sums are added afterwards); the block
-    sizes are constexpr arguments; ``num_warps``/``num_stages`` go to the launch, and so does
-    ``maxnreg`` (a cap on registers per thread, Triton's launch option of that name) where set,
-    which the SSD kernels honour.
+    sizes are constexpr arguments; ``num_warps``, ``num_stages`` and, where set, ``maxnreg`` (a cap
+    on registers per thread) are Triton's launch options (``launch_options``).
     """
 
     block_m: int = 64
@@ -128,6 +127,13 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     maxnreg: Optional[int] = None
+
+    def launch_options(self) -> dict[str, int]:
+        """Keyword options of the Triton launch (``maxnreg`` only when set)."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)

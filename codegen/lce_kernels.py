@@ -79,8 +79,7 @@ def _check(logits: Tensor, labels: Tensor) -> None:
 
 def _launcher(args: list, m: int):
     def launch(kern, cfg: TileConfig) -> None:
-        kern.launch((cdiv(m, cfg.block_m),), args, dict(BM=cfg.block_m, BV=cfg.block_k), cfg.num_warps,
-                    cfg.num_stages)
+        kern.launch((cdiv(m, cfg.block_m),), args, dict(BM=cfg.block_m, BV=cfg.block_k), cfg)
     return launch
 
 

@@ -82,7 +82,7 @@ def forward(R: ModuleType, call: Mamba3Call, with_out: bool, checkpoints: bool):
     def launch(kern, cfg):
         bp = min(cfg.block_m, pow2(p))
         kern.launch((b * h, cdiv(p, bp)), call.inputs() + call.inits() + outs + ckpts + call.sizes(),
-                    dict(BP=bp, NH=call.nh, T=r.chunk), cfg.num_warps, cfg.num_stages)
+                    dict(BP=bp, NH=call.nh, T=r.chunk), cfg)
 
     run_tuned(R.FWD, (r, with_out, checkpoints),
               lambda: R.render_forward(r, with_out=with_out, checkpoints=checkpoints), r.summary(),
@@ -128,7 +128,7 @@ def backward(R: ModuleType, call: Mamba3Call, args: Sequence, grads: Sequence[Op
         bp = min(cfg.block_m, pow2(p))
         *res, scratch = buffers(bp)
         kern.launch((b * h, cdiv(p, bp)), call.inputs() + ckpts + [scratch] + gs + res + call.sizes() + [b],
-                    dict(BP=bp, NH=call.nh, T=r.chunk), cfg.num_warps, cfg.num_stages)
+                    dict(BP=bp, NH=call.nh, T=r.chunk), cfg)
         return bp
 
     bp = run_tuned(R.BWD, r, lambda: R.render_backward(r), r.summary(), call.bucket(),

@@ -82,8 +82,7 @@ def gated_forward(x: Tensor, weight: Tensor, z: Optional[Tensor], eps: float, gr
     args += [z2.stride(0)] if z is not None else []
 
     def launch(kern, cfg: TileConfig) -> None:
-        kern.launch((cdiv(m, cfg.block_m), n // group_size), args, dict(BM=cfg.block_m),
-                    cfg.num_warps, cfg.num_stages)
+        kern.launch((cdiv(m, cfg.block_m), n // group_size), args, dict(BM=cfg.block_m), cfg)
 
     run_family(GATED_FWD, r, dims, launch)
     return y
@@ -105,8 +104,7 @@ def gated_backward(dy: Tensor, x: Tensor, weight: Tensor, z: Optional[Tensor], e
 
     def launch(kern, cfg: TileConfig) -> Tensor:
         parts = torch.empty(cdiv(m, cfg.block_m), n, device=x.device, dtype=torch.float32)
-        kern.launch((cdiv(m, cfg.block_m), n // group_size), head + [parts] + tail, dict(BM=cfg.block_m),
-                    cfg.num_warps, cfg.num_stages)
+        kern.launch((cdiv(m, cfg.block_m), n // group_size), head + [parts] + tail, dict(BM=cfg.block_m), cfg)
         return parts
 
     parts = run_family(GATED_BWD, r, dims, launch)
@@ -152,7 +150,7 @@ def add_forward(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     args += [r2.stride(0)] if r2 is not None else []
 
     def launch(kern, cfg: TileConfig) -> None:
-        kern.launch((cdiv(m, cfg.block_m),), args, dict(BM=cfg.block_m), cfg.num_warps, cfg.num_stages)
+        kern.launch((cdiv(m, cfg.block_m),), args, dict(BM=cfg.block_m), cfg)
 
     run_family(ADD_FWD, r, RowDims(m, n, n), launch)
     return out, res_out
@@ -177,8 +175,7 @@ def add_backward(dout: Optional[Tensor], dres: Optional[Tensor], x: Tensor, resi
 
     def launch(kern, cfg: TileConfig) -> Tensor:
         parts = torch.zeros(cdiv(m, cfg.block_m), n, device=x.device, dtype=torch.float32)
-        kern.launch((cdiv(m, cfg.block_m),), head + [parts] + tail, dict(BM=cfg.block_m), cfg.num_warps,
-                    cfg.num_stages)
+        kern.launch((cdiv(m, cfg.block_m),), head + [parts] + tail, dict(BM=cfg.block_m), cfg)
         return parts
 
     parts = run_family(ADD_BWD, r, RowDims(m, n, n), launch)

@@ -76,7 +76,7 @@ class _Call:
 
         def launch(kern, cfg):
             kern.launch(self.grid(cfg.block_m, chunks), args + self.sizes(cfg.block_m), self.consts(cfg.block_m),
-                        cfg.num_warps, cfg.num_stages)
+                        cfg)
             return cfg.block_m
 
         return run_tuned(name, r, lambda: render(r), r.summary(), self.bucket(), self.candidates(), launch)
@@ -134,7 +134,7 @@ def selective_scan_backward(args: Sequence, grads: Sequence[Optional[Tensor]],
         outs = [du, ddelta, dA, dB, dC] + [t for t in (dD, dz) if t is not None]
         grid = call.grid(bd)[:2] + (min(wave, nc - c0),)
         kern.launch(grid, call.inputs() + [ckpt, gend, scratch, gout] + outs + [c0] + call.sizes(bd),
-                    call.consts(bd), cfg.num_warps, cfg.num_stages)
+                    call.consts(bd), cfg)
 
     run_tuned(R.BWD, r, lambda: R.render_backward(r), r.summary(), call.bucket(), call.candidates(), launch,
               reset=zero)

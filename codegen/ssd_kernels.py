@@ -108,8 +108,7 @@ def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
         args = [pr.x, pr.dt, pr.A, pr.B] + opt + [states, dtp, cs, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.dt) + strides3(pr.B)
         kern.launch((d.nc, d.b * d.h, cdiv(d.p, cfg.block_m)), args,
-                    dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_),
-                    cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg)
 
     run_family(CHUNK_STATE, r, d, launch)
     return states, dtp, cs
@@ -123,8 +122,7 @@ def run_chunk_cb(pr: Prepared) -> Tensor:
     def launch(kern, cfg: TileConfig) -> None:
         grid = (cdiv(d.q, cfg.block_m) * cdiv(d.q, cfg.block_k), d.nc, d.b * d.g)
         kern.launch(grid, [pr.B, pr.C, cb, d.l, d.g, d.nc, d.n] + strides3(pr.B) + strides3(pr.C),
-                    dict(BM=cfg.block_m, BK=cfg.block_k, NP=d.np_),
-                    cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BM=cfg.block_m, BK=cfg.block_k, NP=d.np_), cfg)
 
     run_family(CHUNK_CB, r, d, launch)
     return cb
@@ -145,7 +143,7 @@ def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Te
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.p * d.n, cfg.block_m), d.b * d.h),
                     [states, sin, cs] + init + [final, d.h, d.nc, d.p * d.n],
-                    dict(BLK=cfg.block_m), cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BLK=cfg.block_m), cfg)
 
     run_family(STATE_PASS, r, d, launch)
     return sin, final
@@ -167,8 +165,7 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
                     head + [y, dtp, cs, sin] + scan_args(pr),
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
-                    cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
 
     run_family(CHUNK_SCAN, r, d, launch)
     return y

@@ -57,8 +57,7 @@ def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Te
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
                     head + [dy_out, dz, dy, saved.dtp, saved.cs, saved.sin] + scan_args(pr),
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
-                    cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
 
     run_family(GATE_BWD, r, d, launch)
     return dz, dy
@@ -71,8 +70,7 @@ def run_dstate(pr: Prepared, dy: Tensor, cs: Tensor) -> Tensor:
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((d.nc, d.b * d.h, cdiv(d.p, cfg.block_m)),
                     [dy, pr.C, cs, dst, d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.C),
-                    dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_),
-                    cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg)
 
     run_family(DSTATE, pr.region, d, launch)
     return dst
@@ -89,7 +87,7 @@ def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tenso
         dtot = torch.empty(d.b * d.h, d.nc, tiles, device=dst.device, dtype=torch.float32)
         kern.launch((tiles, d.b * d.h), [dst, saved.sin, saved.cs, dfinal, dsout, dinit, dtot,
                                          d.h, d.nc, d.p * d.n],
-                    dict(BLK=cfg.block_m), cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BLK=cfg.block_m), cfg)
         return dtot
 
     dtot = run_family(STATE_PASS_BWD, pr.region, d, launch)
@@ -110,8 +108,7 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
         args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.B)
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_),
-                    cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
         return dd
 
     dd = run_family(DX, r, d, launch)
@@ -132,7 +129,7 @@ def run_dcb(pr: Prepared, dy: Tensor, saved: SSDSaved) -> tuple[Tensor, Tensor, 
         args = [pr.x, dy, saved.dtp, saved.cs, saved.cb, dcb, mrow, mcol, d.l, d.h, d.hpg, d.g, d.nc, d.p,
                 cfg.splits, dcb[0].numel()]
         kern.launch((nt * nt, d.nc, d.b * d.g * cfg.splits), args + strides3(pr.x),
-                    dict(BT=cfg.block_m, PP=d.pp), cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(BT=cfg.block_m, PP=d.pp), cfg)
         return dcb, mrow, mcol, cfg.block_m
 
     return run_family(DCB, pr.region, d, launch)
@@ -150,8 +147,7 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
                 d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, dcb.shape[0], dcb[0].numel()]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.g * cfg.splits), args,
-                    dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_), cfg.num_warps,
-                    cfg.num_stages, cfg.maxnreg)
+                    dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
         return out
 
     out = run_family(DC if which == "c" else DB, pr.region, d, launch)
@@ -174,7 +170,7 @@ def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, es: Tensor, v: 
         args = [pr.dt, pr.A] + opt + [saved.dtp, ddtd, es, v, mrow, mcol, dtot, ddt, da]
         args += ([dbias] if dbias is not None else []) + [d.l, d.h, d.nc] + strides3(pr.dt)
         kern.launch((d.nc, d.b * d.h), args + [nt, tile, ndt],
-                    dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+                    dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg)
 
     run_family(DT_BWD, r, d, launch)
     return ddt, da, dbias

@@ -86,12 +86,12 @@ fake_launch = _Kernel()
 def test_launch_passes_a_register_cap_only_when_set(tmp_path):
     with knobs.override(cache_dir=str(tmp_path)):
         k = load_kernel("fake_launch", lambda: FAKE_LAUNCHER)
-        k.launch((2, 1), [3], {"BM": 16}, 4, 2)
-        k.launch((2, 1), [3], {"BM": 16}, 8, 3, maxnreg=128)
+        k.launch((2, 1), [3], {"BM": 16}, TileConfig(num_warps=4, num_stages=2))
+        k.launch((2, 1), [3], {"BM": 16}, TileConfig(num_warps=8, num_stages=3, maxnreg=128))
         assert k.module.CALLS == [((2, 1), (3,), dict(BM=16, num_warps=4, num_stages=2)),
                                   ((2, 1), (3,), dict(BM=16, num_warps=8, num_stages=3, maxnreg=128))]
         with pytest.raises(CodegenError, match="launch refused") as info:
-            k.launch((1,), [], {"FAIL": 1}, 4, 2, maxnreg=96)
+            k.launch((1,), [], {"FAIL": 1}, TileConfig(num_warps=4, num_stages=2, maxnreg=96))
     repro = open(str(info.value).split("repro:  python ")[1].strip()).read()
     assert "'num_warps': 4, 'num_stages': 2, 'maxnreg': 96" in repro
 
