@@ -20,6 +20,11 @@ def pow2(n: int) -> int:
     """``n`` rounded up to a power of two (Triton ranges and tiles need one; 1 for n <= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
 
+
+def cdiv(a: int, b: int) -> int:
+    """``a / b`` rounded up (how many tiles of ``b`` cover ``a``)."""
+    return -(-a // b)
+
 # io dtype name -> (torch dtype, Triton dtype expression)
 IO_DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "bf16": (torch.bfloat16, "tl.bfloat16"),

@@ -14,8 +14,8 @@ from mambac.codegen import render_mamba3 as R
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.mamba3_launch import Mamba3Call, backward, forward
 from mambac.codegen.scan_ir import Mamba3SisoRegion, io_of
-from mambac.codegen.kernel_ir import pow2
-from mambac.codegen.scan_launch import cast, cdiv, scan_supports
+from mambac.codegen.kernel_ir import cdiv, pow2
+from mambac.codegen.scan_launch import cast, scan_supports
 
 DEFAULT_CHUNK = 32  # steps between checkpoints; the backward's scratch holds one chunk of states
 

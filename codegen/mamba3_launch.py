@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from mambac.codegen.scan_ir import Mamba3Region
-from mambac.codegen.kernel_ir import pow2
-from mambac.codegen.scan_launch import cast, cdiv, dense, run_tuned, tiles
+from mambac.codegen.kernel_ir import cdiv, pow2
+from mambac.codegen.scan_launch import cast, dense, run_tuned, tiles
 
 
 class Mamba3Call(ABC):

@@ -72,8 +72,7 @@ def gated_forward(x: Tensor, weight: Tensor, z: Optional[Tensor], eps: float, gr
                   norm_before_gate: bool) -> Tensor:
     n = x.shape[-1]
     x2, z2 = _rows(x, n), _rows(z, n)
-    r = gated_region(z, group_size, norm_before_gate, N=n, sxm=x2.stride(0),
-                     **({} if z2 is None else {"szm": z2.stride(0)}))
+    r = gated_region(z, group_size, norm_before_gate, **_row_strides(N=n, sxm=x2, szm=z2))
     m = x2.shape[0]
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     dims = RowDims(m, n, group_size)
@@ -93,8 +92,7 @@ def gated_backward(dy: Tensor, x: Tensor, weight: Tensor, z: Optional[Tensor], e
     """(dx, dweight, dz or None)."""
     n = x.shape[-1]
     x2, z2, g2 = _rows(x, n), _rows(z, n), _rows(dy, n)
-    r = gated_region(z, group_size, norm_before_gate, N=n, sxm=x2.stride(0), sgm=g2.stride(0),
-                     **({} if z2 is None else {"szm": z2.stride(0)}))
+    r = gated_region(z, group_size, norm_before_gate, **_row_strides(N=n, sxm=x2, sgm=g2, szm=z2))
     m = x2.shape[0]
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     dz = None if z is None else torch.empty(z.shape, device=z.device, dtype=z.dtype)

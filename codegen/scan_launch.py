@@ -19,10 +19,6 @@ _SOURCES: dict[tuple, str] = {}
 _PLANS: dict[tuple, tuple[CompiledKernel, TileConfig]] = {}
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def kernel_for(name: str, key: Any, render: Callable[[], str], describe: str) -> CompiledKernel:
     """Render (once per process and key), store and import the kernel ``name``."""
     k = (name, key)

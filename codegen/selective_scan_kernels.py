@@ -15,8 +15,8 @@ from torch import Tensor
 from mambac.codegen import render_selective_scan as R
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.scan_ir import SelectiveScanRegion, io_of
-from mambac.codegen.kernel_ir import pow2
-from mambac.codegen.scan_launch import cast, cdiv, dense, plan_of, run_tuned, scan_supports, tiles
+from mambac.codegen.kernel_ir import cdiv, pow2
+from mambac.codegen.scan_launch import cast, dense, plan_of, run_tuned, scan_supports, tiles
 
 DEFAULT_CHUNK = 64  # steps per chunk (the unit of parallelism along the sequence)
 SCRATCH_BYTES = 1 << 30  # the backward's recomputed states: chunks run in waves that fit this

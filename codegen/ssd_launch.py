@@ -11,11 +11,7 @@ from typing import Any, Callable, Optional
 
 from mambac.codegen import autotune
 from mambac.codegen.compile import CompiledKernel, load_kernel
-from mambac.codegen.kernel_ir import SSDRegion, TileConfig, pow2
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from mambac.codegen.kernel_ir import SSDRegion, TileConfig, cdiv, pow2
 
 
 @dataclass(frozen=True)

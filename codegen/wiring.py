@@ -14,7 +14,6 @@ from mambac.codegen.kernel_ir import KERNEL_DTYPES
 from mambac.ops._common import register_device_kernels
 
 
-
 def tensors_supported(*args) -> bool:
     """Floating tensors all fp32/bf16/fp16 and on one device, the first one non-empty (float64 and
     empty inputs take the reference)."""

@@ -123,7 +123,7 @@ def node_value(node: torch.fx.Node) -> Any:
 
 
 def param_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: Region,
-                  mixer: nn.Module) -> tuple[dict[str, torch.fx.Node], list[torch.fx.Node]]:
+                 mixer: nn.Module) -> tuple[dict[str, torch.fx.Node], list[torch.fx.Node]]:
     """The mixer's parameters among the region's inputs (name → graph node) and its other tensor
     inputs; anything else coming in (sizes) is ignored."""
     by_id = {id(p): name for name, p in mixer.named_parameters(remove_duplicate=False)}
@@ -171,7 +171,7 @@ def _check_region(gm: torch.fx.GraphModule, region: Region, mixer: nn.Module, pa
     if len(others) != 1:
         names = ", ".join(n.name for n in others) or "none"
         raise Refused(f"its forward got {len(others)} tensor input(s) besides its parameters ({names}); only "
-                       "hidden_states is supported (a cache or an attention mask that is not None is not)")
+                      "hidden_states is supported (a cache or an attention mask that is not None is not)")
     missing = sorted(set(n for n, _ in mixer.named_parameters()) - set(params))
     if missing:
         raise Refused(f"the graph holds part of its forward only (parameters {missing} are not read in it)")
