@@ -16,9 +16,9 @@ Commands (default: check time parts):
   graphed     with ``time``: fwd+bwd also replayed from a CUDA graph, which leaves out the host's
               launch cost (a failed capture can leave the CUDA context unusable for the rest of the process)
   parts       time of each generated kernel alone at S1
-  variants    the chunk scan and dx alone at S1 and S2 with each tile of VARIANTS (outside the
-              candidate lists, e.g. with a register cap), and each result's difference from the
-              default tile's
+  variants    the kernels of VARIANTS alone at S1 and S2 with each of their tiles there (outside
+              the candidate lists, e.g. with a register cap), and each result's difference from
+              the default tile's
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
 Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
@@ -283,8 +283,13 @@ def time_parts(cg, shape: dict) -> None:
              ("fwd chunk_state", lambda: fk.run_chunk_state(pr)),
              ("fwd state_pass", lambda: fk.run_state_pass(pr, states, cs)),
              ("fwd chunk_scan", lambda: fk.run_chunk_scan(pr, dtp, cs, sin, cb)),
+             ("fwd fused (chunk state + passing + scan)", lambda: fk.run_fused_forward(pr, cb, True)),
+             ("fwd chunk_state_pass (chunk state + passing)", lambda: fk.run_state_fused(pr)),
+             *[(f"fwd all launches, path {p}", lambda p=p: fk.forward_prepared(pr, path=p))
+               for p in fk.FORWARD_PATHS],
              ("bwd chunk_dstate", lambda: bk.run_dstate(pr, dy, cs)),
              ("bwd state_pass", lambda: bk.run_state_pass_bwd(pr, dst, saved, dfin)),
+             ("bwd dstate_pass (dstate + passing)", lambda: bk.run_dstate_pass(pr, dy, saved, dfin)),
              ("bwd dx", lambda: bk.run_dx(pr, dy, saved, dsout)),
              ("bwd dcb", lambda: bk.run_dcb(pr, dy, saved)),
              ("bwd dc", lambda: bk.run_dbc(pr, "c", dy, saved, sin, dcb)),
@@ -297,17 +302,25 @@ def time_parts(cg, shape: dict) -> None:
             traceback.print_exc()
 
 
-# (heads, block_m, block_k, num_warps, num_stages, maxnreg): tiles to try beside the candidate
-# lists' first (benchmarks/NOTES_ssd.md, "Next experiments": 2 stages under a 128-register cap
-# would hold 4 CTAs per SM)
-VARIANTS = {"CHUNK_SCAN": ((1, 64, 32, 4, 3, None), (1, 64, 32, 4, 2, None), (1, 64, 32, 4, 2, 128),
-                           (1, 64, 32, 4, 3, 128), (2, 64, 64, 4, 2, None)),
-            "DX": ((1, 64, 32, 4, 3, None), (1, 64, 32, 4, 2, None), (1, 64, 32, 4, 2, 128),
-                   (1, 64, 32, 4, 3, 128))}
+# TileConfig fields of tiles to try beside the candidate lists (benchmarks/NOTES_ssd.md, v6):
+# register caps that let more CTAs share a multiprocessor
+VARIANTS = {
+    "FUSED": (dict(block_m=64, block_k=32, num_stages=2, maxnreg=168),
+              dict(block_m=64, block_k=32, num_stages=2, maxnreg=128),
+              dict(block_m=64, block_k=32, num_stages=3, maxnreg=168)),
+    "STATE_FUSED": (dict(block_k=32, num_stages=4), dict(block_k=32, num_warps=8, num_stages=3),
+                    dict(block_k=32, num_stages=3, maxnreg=168), dict(block_k=32, num_stages=2, maxnreg=128)),
+    "DSTATE_PASS": (dict(block_k=32, num_stages=4), dict(block_k=32, num_warps=8, num_stages=3),
+                    dict(block_k=32, num_stages=3, maxnreg=168)),
+    "DCB": (dict(block_m=64, heads=2, splits=2, num_stages=2),
+            dict(block_m=64, heads=2, splits=2, num_stages=2, maxnreg=168),
+            dict(block_m=64, heads=2, splits=4, num_stages=2, maxnreg=168),
+            dict(block_m=64, heads=1, splits=2, num_stages=2, maxnreg=128)),
+}
 
 
 def time_variants(tag: str, shape: dict, timer=None) -> None:
-    """The chunk scan and dx with each tile of VARIANTS: time (``timer``, default ``bench_ms``) and
+    """The kernels of VARIANTS with each of their tiles: time (``timer``, default ``bench_ms``) and
     the largest relative difference of the output from the default tile's."""
     timer = timer or bench_ms
     sl = importlib.import_module("mambac.codegen.ssd_launch")
@@ -316,17 +329,21 @@ def time_variants(tag: str, shape: dict, timer=None) -> None:
     dtp, cs, sin = saved.dtp, saved.cs, saved.sin
     dsout = bk.run_state_pass_bwd(pr, bk.run_dstate(pr, dy, cs), saved, dfin)[0]
     d = pr.dims
-    runs = {"CHUNK_SCAN": (fk, lambda: fk.run_chunk_scan(pr, dtp, cs, sin, saved.cb)),
-            "DX": (bk, lambda: bk.run_dx(pr, dy, saved, dsout)[0])}
+    runs = {"FUSED": (fk, lambda: fk.run_fused_forward(pr, saved.cb, True)[0]),
+            "STATE_FUSED": (fk, lambda: fk.run_state_fused(pr)[0]),
+            "DSTATE_PASS": (bk, lambda: bk.run_dstate_pass(pr, dy, saved, dfin)[0]),
+            "CHUNK_SCAN": (fk, lambda: fk.run_chunk_scan(pr, dtp, cs, sin, saved.cb)),
+            "DX": (bk, lambda: bk.run_dx(pr, dy, saved, dsout)[0]),
+            "DCB": (bk, lambda: bk.run_dcb(pr, dy, saved)[0])}
     for fam_name, tiles in VARIANTS.items():
         module, run = runs[fam_name]
         original = getattr(module, fam_name)
         sl._PLANS.clear()
         ref = run().float()
         try:
-            for h, bm, bkk, w, st, mr in tiles:
-                cfg = TileConfig(block_m=bm, block_k=bkk, heads=h, num_warps=w, num_stages=st, maxnreg=mr)
-                if d.hpg % h:
+            for fields in tiles:
+                cfg = TileConfig(**fields)
+                if d.hpg % (cfg.heads * cfg.splits):
                     continue
                 setattr(module, fam_name, replace(original, candidates=lambda d, c=cfg: [c]))
                 sl._PLANS.clear()

@@ -69,7 +69,7 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward") -> str:
             if fwd:
                 chunk_state_block(w, r, q)
             else:
-                _chunk_state_dstate_body(w, r, q)
+                chunk_dstate_block(w, r, q)
         out = "states_ptr" if fwd else "dst_ptr"
         w.line(f"tl.store({out} + ((bi64 * NC + pid_c) * H + h) * P * N + offs_p[:, None] * N"
                " + offs_n[None, :], acc, mask=m_p[:, None] & m_n[None, :])")
@@ -96,7 +96,7 @@ def chunk_state_block(w: Writer, r: SSDRegion, q: int) -> None:
     w.line("run = end")
 
 
-def _chunk_state_dstate_body(w: Writer, r: SSDRegion, q: int) -> None:
+def chunk_dstate_block(w: Writer, r: SSDRegion, q: int) -> None:
     w.line(f"cs = tl.load(cs_ptr + row + s, mask=s < {q}, other=0.0)")
     w.line("dy_s = tl.load(dy_ptr + ((bi64 * L + pos_s[None, :]) * H + h) * P + offs_p[:, None], "
            "mask=v_s[None, :] & m_p[:, None], other=0.0)")
@@ -209,17 +209,17 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
             w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}.to({io})')} * tl.exp(cs_r_{j})")
         w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
         with w.block("for k0 in range(0, off, BK):"):
-            _chunk_scan_partners(w, r, heads, diagonal=False)
+            chunk_scan_partners(w, r, heads, diagonal=False)
         for j in range(heads):
             w.line(f"acc_{j} = acc_{j} * tl.exp(cs_t_{j} - cs_r_{j})[:, None]")
         with w.block("for k0 in range(off, pid_m * BM + BM, BK):"):
-            _chunk_scan_partners(w, r, heads, diagonal=True)
+            chunk_scan_partners(w, r, heads, diagonal=True)
         for j in range(heads):
-            _chunk_scan_epilogue(w, r, j, mode)
+            chunk_scan_epilogue(w, r, j, mode)
     return w.source()
 
 
-def _chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
+def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
     """One partner tile s of the chunk scan: on the diagonal the full masked decay, before it
     only the partners' factor exp(cs_r - cs_s) (the rows' factor is applied once, after)."""
     q = r.chunk_size
@@ -240,7 +240,7 @@ def _chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool) ->
         w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'x_s', f'acc_{j}')}")
 
 
-def _chunk_scan_epilogue(w: Writer, r: SSDRegion, j: int, mode: str) -> None:
+def chunk_scan_epilogue(w: Writer, r: SSDRegion, j: int, mode: str) -> None:
     """D skip and z gate of head j (forward), or the gate's backward (gate_backward)."""
     h = f"h0 + {j}"
     w.comment(f"epilogue of head {j}")

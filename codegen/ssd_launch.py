@@ -107,14 +107,14 @@ def _divisors(n: int, options: tuple[int, ...]) -> list[int]:
     return [o for o in options if n % o == 0]
 
 
-# (heads, block_m, block_k, num_warps, num_stages): the fastest tiles measured on an H200 at
-# headdim 64 / dstate 128 (benchmarks/NOTES_ssd.md, v5), best first.  Chunk scan at S1 / S2 (us):
-# 1 head 64 x 32 269 / 366, 2 heads 64 x 64 279 / 378; dropped: 2 heads 64 x 32 278 / 383, 1 head
-# 64 x 64 378 / 508, 1 head 128 rows at 8 warps 459 / 624 (4 heads and 2 heads at 8 warps were 1.5-2x
-# slower in v4).  dx: 1 head 64 x 32 343 / 464, 2 heads 64 x 32 379 / 518; dropped: 64 x 64 465 /
-# 625, 128 rows at 8 warps 589 / 813.
-_HEAD_BLOCK_TILES = ((1, 64, 32, 4, 3), (2, 64, 64, 4, 2))
-_DX_TILES = ((1, 64, 32, 4, 3), (2, 64, 32, 4, 2))
+# (heads, block_m, block_k, num_warps, num_stages, maxnreg): the fastest tiles measured on an H200
+# at headdim 64 / dstate 128 (benchmarks/NOTES_ssd.md, v5 and v6), best first.  Chunk scan at S1 /
+# S2 (us, v6): 1 head 64 x 32 at 2 stages 252 / 343, at 3 stages 272 / 369; dropped: 2 heads 64 x 64
+# 282 / 380, a 128-register cap (no change), 1 head 64 x 64 378 / 508 and 128 rows at 8 warps 459 /
+# 624 (v5).  dx: 1 head 64 x 32, 2 stages under a 128-register cap 309 / 425, 3 stages uncapped
+# 344 / 468; dropped: 2 stages uncapped 356 / 491, 2 heads 379 / 518, 64 x 64 465 / 625 (v5).
+_HEAD_BLOCK_TILES = ((1, 64, 32, 4, 2, None), (1, 64, 32, 4, 3, None))
+_DX_TILES = ((1, 64, 32, 4, 2, 128), (1, 64, 32, 4, 3, None))
 
 
 def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
@@ -124,8 +124,8 @@ def _head_tiles(d: Dims, table: tuple) -> list[TileConfig]:
         # partners and the masked diagonal ones in one program
         return [TileConfig(block_m=32, block_k=16, heads=min(hb[0], 2), num_warps=1)]
     big = max(d.pp, d.np_) > 128
-    out = [TileConfig(block_m=bm, block_k=bk, heads=h, num_warps=w, num_stages=st)
-           for h, bm, bk, w, st in table if h in hb and not (big and h > 1)]
+    out = [TileConfig(block_m=bm, block_k=bk, heads=h, num_warps=w, num_stages=st, maxnreg=mr)
+           for h, bm, bk, w, st, mr in table if h in hb and not (big and h > 1)]
     return out or [TileConfig(block_m=64, block_k=32, heads=1, num_warps=8, num_stages=2)]
 
 
@@ -146,6 +146,32 @@ def chunk_state_candidates(d: Dims) -> list[TileConfig]:
     bp = min(d.pp, 64)
     return [TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
             TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3)]
+
+
+def fused_fits(d: Dims) -> bool:
+    """Whether the fused forward takes these sizes: one program holds a whole (headdim x dstate)
+    state in fp32 registers (64 x 128 at most, 64 registers per thread at 4 warps)."""
+    return d.pp * d.np_ <= 64 * 128
+
+
+def fused_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of ``ssd_fused_fwd``: block_m output rows per step, block_k the steps of the state
+    blocks and of the partner tiles."""
+    if autotune.interpreting():
+        return [TileConfig(block_m=32, block_k=16, num_warps=1)]
+    # H200, S1 / S2 (us, v6): 2 stages under a 168-register cap 416 / 563, 3 stages uncapped
+    # 467 / 632; 8 warps 688-880 / 935-1255
+    return [TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=2, maxnreg=168),
+            TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=3)]
+
+
+def state_fused_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of ``ssd_chunk_state_pass`` (block_k the steps per block; block_m unused)."""
+    if autotune.interpreting():
+        return [TileConfig(block_m=32, block_k=16, num_warps=1)]
+    return [TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=4),
+            TileConfig(block_m=64, block_k=32, num_warps=8, num_stages=3),
+            TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=3, maxnreg=168)]
 
 
 def dstate_candidates(d: Dims) -> list[TileConfig]:
