@@ -284,12 +284,10 @@ def time_parts(cg, shape: dict) -> None:
              ("fwd state_pass", lambda: fk.run_state_pass(pr, states, cs)),
              ("fwd chunk_scan", lambda: fk.run_chunk_scan(pr, dtp, cs, sin, cb)),
              ("fwd fused (chunk state + passing + scan)", lambda: fk.run_fused_forward(pr, cb, True)),
-             ("fwd chunk_state_pass (chunk state + passing)", lambda: fk.run_state_fused(pr)),
              *[(f"fwd all launches, path {p}", lambda p=p: fk.forward_prepared(pr, path=p))
                for p in fk.FORWARD_PATHS],
              ("bwd chunk_dstate", lambda: bk.run_dstate(pr, dy, cs)),
              ("bwd state_pass", lambda: bk.run_state_pass_bwd(pr, dst, saved, dfin)),
-             ("bwd dstate_pass (dstate + passing)", lambda: bk.run_dstate_pass(pr, dy, saved, dfin)),
              ("bwd dx", lambda: bk.run_dx(pr, dy, saved, dsout)),
              ("bwd dcb", lambda: bk.run_dcb(pr, dy, saved)),
              ("bwd dc", lambda: bk.run_dbc(pr, "c", dy, saved, sin, dcb)),
@@ -305,17 +303,11 @@ def time_parts(cg, shape: dict) -> None:
 # TileConfig fields of tiles to try beside the candidate lists (benchmarks/NOTES_ssd.md, v6):
 # register caps that let more CTAs share a multiprocessor
 VARIANTS = {
-    "FUSED": (dict(block_m=64, block_k=32, num_stages=2, maxnreg=168),
-              dict(block_m=64, block_k=32, num_stages=2, maxnreg=128),
-              dict(block_m=64, block_k=32, num_stages=3, maxnreg=168)),
-    "STATE_FUSED": (dict(block_k=32, num_stages=4), dict(block_k=32, num_warps=8, num_stages=3),
-                    dict(block_k=32, num_stages=3, maxnreg=168), dict(block_k=32, num_stages=2, maxnreg=128)),
-    "DSTATE_PASS": (dict(block_k=32, num_stages=4), dict(block_k=32, num_warps=8, num_stages=3),
-                    dict(block_k=32, num_stages=3, maxnreg=168)),
     "DCB": (dict(block_m=64, heads=2, splits=2, num_stages=2),
-            dict(block_m=64, heads=2, splits=2, num_stages=2, maxnreg=168),
-            dict(block_m=64, heads=2, splits=4, num_stages=2, maxnreg=168),
-            dict(block_m=64, heads=1, splits=2, num_stages=2, maxnreg=128)),
+            dict(block_m=64, heads=2, splits=2, num_stages=2, maxnreg=144),
+            dict(block_m=64, heads=1, splits=2, num_stages=2, maxnreg=168)),
+    "CHUNK_STATE": (dict(block_m=64, block_k=32, num_stages=4), dict(block_m=64, block_k=32, num_stages=3, maxnreg=96),
+                    dict(block_m=64, block_k=32, num_stages=2, maxnreg=80)),
 }
 
 
@@ -329,9 +321,7 @@ def time_variants(tag: str, shape: dict, timer=None) -> None:
     dtp, cs, sin = saved.dtp, saved.cs, saved.sin
     dsout = bk.run_state_pass_bwd(pr, bk.run_dstate(pr, dy, cs), saved, dfin)[0]
     d = pr.dims
-    runs = {"FUSED": (fk, lambda: fk.run_fused_forward(pr, saved.cb, True)[0]),
-            "STATE_FUSED": (fk, lambda: fk.run_state_fused(pr)[0]),
-            "DSTATE_PASS": (bk, lambda: bk.run_dstate_pass(pr, dy, saved, dfin)[0]),
+    runs = {"CHUNK_STATE": (fk, lambda: fk.run_chunk_state(pr)[0]),
             "CHUNK_SCAN": (fk, lambda: fk.run_chunk_scan(pr, dtp, cs, sin, saved.cb)),
             "DX": (bk, lambda: bk.run_dx(pr, dy, saved, dsout)[0]),
             "DCB": (bk, lambda: bk.run_dcb(pr, dy, saved)[0])}

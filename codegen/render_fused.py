@@ -1,5 +1,4 @@
-"""Renderers of ``ssd_fused_fwd`` (the chunk state, the state passing and the chunk scan in one
-launch) and of ``ssd_chunk_state_pass`` (its first two steps: the chunk state and the passing).
+"""Renderer of ``ssd_fused_fwd``: the chunk state, the state passing and the chunk scan in one launch.
 
 One program owns one chunk of one (batch, head) and does, in order:
 
@@ -8,8 +7,7 @@ One program owns one chunk of one (batch, head) and does, in order:
 2. the hand-over: it waits until the program of the previous chunk of the same (batch, head) has
    published the state leaving that chunk, reads it (that is this chunk's S_in), publishes
    exp(cs_end) S_in + own state for the next chunk and raises the (batch, head)'s flag;
-3. the chunk's output, row tile by row tile, from S_in held in registers (as ``ssd_chunk_scan``;
-   ``ssd_chunk_state_pass`` stops before this step and stores S_in for ``ssd_chunk_scan``).
+3. the chunk's output, row tile by row tile, from S_in held in registers (as ``ssd_chunk_scan``).
 
 No chunk state goes through memory except the hand-over, which lives in a two-slot ring per
 (batch, head) that stays in L2: the program of chunk c writes slot c % 2 only after it has read
@@ -31,34 +29,28 @@ from mambac.codegen.render_fwd import (chunk_scan_epilogue, chunk_scan_partners,
 from mambac.codegen.writer import Writer
 
 NAME = "ssd_fused_fwd"
-STATES_NAME = "ssd_chunk_state_pass"
 
 
-def render_fused_forward(r: SSDRegion, scan: bool = True) -> str:
-    """The whole forward after C B^T (``scan``), or steps 1 and 2 only (``ssd_chunk_state_pass``:
-    the states entering each chunk go to memory in the io dtype for ``ssd_chunk_scan``)."""
+def render_fused_forward(r: SSDRegion) -> str:
     q = r.chunk_size
-    name = NAME if scan else STATES_NAME
     w = Writer()
-    header(w, name, r, ("Chunk state, state passing (flag hand-over between chunk programs) and chunk "
-                        "scan in one launch" if scan else "Chunk state and state passing (flag "
-                        "hand-over between chunk programs) in one launch")
-           + ", one (chunk, batch*head) per program.")
+    header(w, NAME, r, "Chunk state, state passing (flag hand-over between chunk programs) and chunk "
+           "scan in one launch, one (chunk, batch*head) per program.")
     emit_dt_helpers(w, r)
-    args = ["x_ptr", "dt_ptr", "a_ptr", "b_ptr"] + dt_args(r)
-    if scan:
-        args += ["cb_ptr", "c_ptr"] + (["z_ptr"] if r.has_z else [])
-        args += (["d_ptr"] if r.d_mode != "none" else []) + ["y_ptr"]
-    args += ["dtp_ptr", "cs_ptr", "sin_ptr"] + (["init_ptr"] if r.has_initial_state else [])
+    args = ["x_ptr", "dt_ptr", "a_ptr", "b_ptr"] + dt_args(r) + ["cb_ptr", "c_ptr"]
+    args += ["z_ptr"] if r.has_z else []
+    args += ["d_ptr"] if r.d_mode != "none" else []
+    args += ["y_ptr", "dtp_ptr", "cs_ptr", "sin_ptr"] + (["init_ptr"] if r.has_initial_state else [])
     args += ["final_ptr", "ring_ptr", "sync_ptr", "BH", "L", "H", "HPG", "NC", "P", "N",
-             "sxb", "sxl", "sxh", "sdb", "sdl", "sdh", "sbb", "sbl", "sbg"]
-    if scan:
-        args += ["scb", "scl", "scg"] + (["szb", "szl", "szh"] if r.has_z else [])
+             "sxb", "sxl", "sxh", "sdb", "sdl", "sdh", "sbb", "sbl", "sbg", "scb", "scl", "scg"]
+    args += ["szb", "szl", "szh"] if r.has_z else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "SAVE: tl.constexpr"]
     w.line("@triton.jit")
-    with w.block(f"def {name}({', '.join(args)}):"):
-        emit_ticket(w, reverse=False)
+    with w.block(f"def {NAME}({', '.join(args)}):"):
+        w.comment("chunk-major tickets: the chunk this program waits for took an earlier one")
+        w.lines("ticket = tl.atomic_add(sync_ptr, 1)", "pid_c = ticket // BH", "pid_bh = ticket % BH",
+                "bi = pid_bh // H", "h = pid_bh % H", "h0 = h", "g = h // HPG", "bi64 = bi.to(tl.int64)")
         emit_dims(w)
         w.lines(f"row = (bi64 * H + h) * (NC * {q}) + pid_c * {q}", "row_0 = row",
                 "acc = tl.zeros((PP, NP), dtype=tl.float32)", "a = tl.load(a_ptr + h).to(tl.float32)")
@@ -69,8 +61,7 @@ def render_fused_forward(r: SSDRegion, scan: bool = True) -> str:
             emit_positions(w, "s", "k0", "BK", q)
             chunk_state_block(w, r, q)
         _hand_over(w, r)
-        if scan:
-            _scan_rows(w, r)
+        _scan_rows(w, r)
     return w.source()
 
 
@@ -98,29 +89,14 @@ def _scan_rows(w: Writer, r: SSDRegion) -> None:
         chunk_scan_epilogue(w, r, 0, "forward")
 
 
-def emit_ticket(w: Writer, reverse: bool) -> None:
-    """This program's chunk (``pid_c``), its place in the hand-over order (``step``) and (batch,
-    head), from a ticket: step-major, so the program a step waits for took an earlier ticket."""
-    w.comment("step-major tickets: the program this one waits for took an earlier ticket")
-    w.lines("ticket = tl.atomic_add(sync_ptr, 1)", "step = ticket // BH",
-            "pid_c = NC - 1 - step" if reverse else "pid_c = step", "pid_bh = ticket % BH",
-            "bi = pid_bh // H", "h = pid_bh % H", "h0 = h", "g = h // HPG", "bi64 = bi.to(tl.int64)")
-
-
-def emit_wait(w: Writer, step: str) -> None:
-    """Spin until the (batch, head)'s flag counts ``step`` published hand-overs; then the state
-    offsets (``pn``, ``m_pn``) and this (batch, head)'s two-slot ring."""
-    w.lines("flag = sync_ptr + 1 + pid_bh", "seen = tl.atomic_add(flag, 0, sem=\"acquire\")")
-    with w.block(f"while seen < {step}:"):
-        w.line("seen = tl.atomic_add(flag, 0, sem=\"acquire\")")
-    w.lines("pn = offs_p[:, None] * N + offs_n[None, :]", "m_pn = m_p[:, None] & m_n[None, :]",
-            "ring = ring_ptr + pid_bh.to(tl.int64) * 2 * P * N")
-
-
 def _hand_over(w: Writer, r: SSDRegion) -> None:
     """Step 2: wait for the previous chunk's state, publish this chunk's, keep S_in as ``prev``."""
     w.comment("2. hand-over: wait until the previous chunk's program has published its leaving state")
-    emit_wait(w, "pid_c")
+    w.lines("flag = sync_ptr + 1 + pid_bh", "seen = tl.atomic_add(flag, 0, sem=\"acquire\")")
+    with w.block("while seen < pid_c:"):
+        w.line("seen = tl.atomic_add(flag, 0, sem=\"acquire\")")
+    w.lines("pn = offs_p[:, None] * N + offs_n[None, :]", "m_pn = m_p[:, None] & m_n[None, :]",
+            "ring = ring_ptr + pid_bh.to(tl.int64) * 2 * P * N")
     w.line("prev = tl.zeros((PP, NP), dtype=tl.float32)")
     with w.block("if pid_c > 0:"):
         w.comment("read past L1 (.cg): the slot was written by another multiprocessor")

@@ -20,7 +20,7 @@ from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
 from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_state_candidates,
                                        fused_candidates, fused_fits, head_block_candidates, run_family,
-                                       state_fused_candidates, state_pass_candidates)
+                                       state_pass_candidates)
 
 CHUNK_CB = Family("ssd_chunk_cb", lambda r, c: render_fwd.render_chunk_cb(r), cb_candidates)
 CHUNK_STATE = Family("ssd_chunk_state", lambda r, c: render_fwd.render_chunk_state(r, "forward"),
@@ -30,9 +30,7 @@ STATE_PASS = Family("ssd_state_pass", lambda r, c: render_fwd.render_state_pass(
 CHUNK_SCAN = Family("ssd_chunk_scan", lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward"),
                     head_block_candidates)
 FUSED = Family(render_fused.NAME, lambda r, c: render_fused.render_fused_forward(r), fused_candidates)
-STATE_FUSED = Family(render_fused.STATES_NAME, lambda r, c: render_fused.render_fused_forward(r, scan=False),
-                     state_fused_candidates)
-FORWARD_PATHS = ("fused", "states", "three")
+FORWARD_PATHS = ("three", "fused")
 
 
 @dataclass
@@ -177,87 +175,54 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
     return y
 
 
-def _fused_launch(pr: Prepared, fam: Family, head: list, tail: list, out: list, save: bool) -> None:
-    """Launch ``ssd_fused_fwd`` or ``ssd_chunk_state_pass``: ``head`` the arguments before dt',
-    ``out`` = [dtp, cs, sin, final], ``tail`` the strides after x's, dt's and B's."""
-    d, r, dev = pr.dims, pr.region, pr.x.device
-    ring = torch.empty(d.b * d.h * 2, d.p, d.n, device=dev, dtype=torch.float32)
-    init = [pr.init] if r.has_initial_state else []
-
-    def launch(kern, cfg: TileConfig) -> None:
-        sync = torch.zeros(1 + d.b * d.h, device=dev, dtype=torch.int32)  # ticket counter, flags
-        args = head + out[:3] + init + [out[3], ring, sync, d.b * d.h, d.l, d.h, d.hpg, d.nc, d.p, d.n]
-        args += strides3(pr.x) + strides3(pr.dt) + strides3(pr.B) + tail
-        kern.launch((d.nc * d.b * d.h,), args,
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, SAVE=save), cfg)
-
-    run_family(fam, r, d, launch)
-
-
-def _fused_outputs(pr: Prepared, save: bool) -> list:
-    d, r, dev = pr.dims, pr.region, pr.x.device
-    dtp = torch.empty(d.b, d.h, d.nc * d.q, device=dev, dtype=torch.float32)
-    sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dev, dtype=r.torch_io) if save else None
-    final = torch.empty(d.b, d.h, d.p, d.n, device=dev, dtype=torch.float32)
-    return [dtp, torch.empty_like(dtp), sin, final]
-
-
-def _dt_head(pr: Prepared) -> list:
-    r = pr.region
-    return [pr.x, pr.dt, pr.A, pr.B] + ([pr.dt_bias] if r.has_dt_bias else []) + (
-        [pr.dt_min, pr.dt_max] if r.dt_clamp else [])
-
-
-def run_state_fused(pr: Prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Chunk state and state passing in one launch (``ssd_chunk_state_pass``): the states entering
-    each chunk (io dtype), the final state (fp32), dt' and the dA cumsum."""
-    out = _fused_outputs(pr, True)
-    _fused_launch(pr, STATE_FUSED, _dt_head(pr), [], out, True)
-    dtp, cs, sin, final = out
-    return sin, final, dtp, cs
-
-
 def run_fused_forward(pr: Prepared, cb: Tensor, save: bool) -> tuple[Tensor, Tensor, SSDSaved]:
     """Chunk state, state passing and chunk scan in one launch (``render_fused``): y, the final
     state and the intermediates (the states entering each chunk only when ``save``)."""
-    d, r = pr.dims, pr.region
-    y = torch.empty(d.b, d.l, d.h, d.p, device=pr.x.device, dtype=pr.x.dtype)
-    head = _dt_head(pr) + [cb, pr.C] + ([pr.z] if r.has_z else []) + ([pr.D] if pr.D is not None else [])
-    out = _fused_outputs(pr, save)
-    launch_out = out[:2] + [y if out[2] is None else out[2], out[3]]  # sin unused without save
-    tail = strides3(pr.C) + (strides3(pr.z) if r.has_z else [])
-    _fused_launch(pr, FUSED, head + [y], tail, launch_out, save)
-    dtp, cs, sin, final = out
+    d, r, dev = pr.dims, pr.region, pr.x.device
+    y = torch.empty(d.b, d.l, d.h, d.p, device=dev, dtype=pr.x.dtype)
+    dtp = torch.empty(d.b, d.h, d.nc * d.q, device=dev, dtype=torch.float32)
+    cs = torch.empty_like(dtp)
+    sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dev, dtype=r.torch_io) if save else None
+    final = torch.empty(d.b, d.h, d.p, d.n, device=dev, dtype=torch.float32)
+    ring = torch.empty(d.b * d.h * 2, d.p, d.n, device=dev, dtype=torch.float32)
+    opt = ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
+    head = [pr.x, pr.dt, pr.A, pr.B] + opt + [cb, pr.C] + ([pr.z] if r.has_z else [])
+    head += ([pr.D] if pr.D is not None else []) + [y, dtp, cs, y if sin is None else sin]  # sin unused without save
+    head += [pr.init] if r.has_initial_state else []
+
+    def launch(kern, cfg: TileConfig) -> None:
+        sync = torch.zeros(1 + d.b * d.h, device=dev, dtype=torch.int32)  # ticket counter, flags
+        args = head + [final, ring, sync, d.b * d.h, d.l, d.h, d.hpg, d.nc, d.p, d.n]
+        args += strides3(pr.x) + strides3(pr.dt) + strides3(pr.B) + strides3(pr.C)
+        args += strides3(pr.z) if r.has_z else []
+        kern.launch((d.nc * d.b * d.h,), args,
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, SAVE=save), cfg)
+
+    run_family(FUSED, r, d, launch)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
 
 
 def forward_prepared(pr: Prepared, save: bool = True,
-                     path: Optional[str] = None) -> tuple[Tensor, Tensor, SSDSaved]:
-    """The forward launches after C B^T, by ``path`` (default: ``default_path``):
+                     path: str = "three") -> tuple[Tensor, Tensor, SSDSaved]:
+    """The forward launches after C B^T, by ``path``:
 
-    * "fused": one launch (``ssd_fused_fwd``);
-    * "states": chunk state with the passing (``ssd_chunk_state_pass``), then the chunk scan;
-    * "three": chunk state, state passing and chunk scan as three launches.
+    * "three" (default): chunk state, state passing and chunk scan as three launches;
+    * "fused": one launch (``ssd_fused_fwd``), where one program's registers hold a whole state
+      (``fused_fits``).  On an H200 it measured level with "three" (S2) or a few percent slower
+      (S1): benchmarks/NOTES_ssd.md, v6.
     """
-    path = path or default_path(pr.dims)
     if path not in FORWARD_PATHS:
         raise ValueError(f"path must be one of {FORWARD_PATHS}, got {path!r}")
+    if path == "fused" and not fused_fits(pr.dims):
+        raise ValueError(f"the fused forward holds a (headdim x dstate) state per program, at most "
+                         f"64 x 128; got {pr.dims.p} x {pr.dims.n}: use path='three'")
     cb = run_chunk_cb(pr)
     if path == "fused":
         return run_fused_forward(pr, cb, save)
-    if path == "states":
-        sin, final, dtp, cs = run_state_fused(pr)
-    else:
-        states, dtp, cs = run_chunk_state(pr)
-        sin, final = run_state_pass(pr, states, cs)
+    states, dtp, cs = run_chunk_state(pr)
+    sin, final = run_state_pass(pr, states, cs)
     y = run_chunk_scan(pr, dtp, cs, sin, cb)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
-
-
-def default_path(d: Dims) -> str:
-    """The states kernel where one program's registers hold a whole state (``fused_fits``), else
-    the three launches."""
-    return "states" if fused_fits(d) else "three"
 
 
 def ssd_forward(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,

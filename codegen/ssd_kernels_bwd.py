@@ -8,7 +8,6 @@
     gate_backward               with z: recomputes y; gives dz and the gated dy
     chunk_dstate                per chunk: sum_t exp(cs_t) dy_t C_t^T
     state_pass_bwd              reverse passing: dS per chunk, d initial state, d(total decay)
-                                (both as one launch, dstate_pass, where a state fits its registers)
     dx                          dx, the direct part of ddt, dD parts
     dcb                         pair weights summed over each group's heads, their per-head sums
     dc, db                      dC, dB per group (state paths per head, dcb times B or C)
@@ -22,13 +21,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fused_bwd, render_fwd
+from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
 from mambac.codegen.kernel_ir import TileConfig
 from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_prepared, prepare,
                                         run_chunk_state, run_state_pass, scan_args, strides3, with_cb)
 from mambac.codegen.ssd_launch import (Family, cdiv, dcb_candidates, dstate_candidates, dx_candidates,
-                                       fused_fits, group_candidates, head_block_candidates, pow2, run_family,
-                                       single_candidate, state_fused_candidates, state_pass_candidates)
+                                       group_candidates, head_block_candidates, pow2, run_family, single_candidate,
+                                       state_pass_candidates)
 
 DSTATE = Family("ssd_chunk_dstate", lambda r, c: render_fwd.render_chunk_state(r, "dstate"),
                 dstate_candidates)
@@ -37,8 +36,6 @@ STATE_PASS_BWD = Family("ssd_state_pass_bwd", lambda r, c: render_bwd.render_sta
 GATE_BWD = Family("ssd_gate_backward",
                   lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "gate_backward"),
                   head_block_candidates)
-DSTATE_PASS = Family(render_fused_bwd.NAME, lambda r, c: render_fused_bwd.render_dstate_pass(r),
-                     state_fused_candidates)
 DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), dx_candidates)
 DCB = Family(render_bwd_pairs.NAME, lambda r, c: render_bwd_pairs.render_dcb(r, c.heads), dcb_candidates)
 DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c"), group_candidates)
@@ -94,26 +91,6 @@ def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tenso
         return dtot
 
     dtot = run_family(STATE_PASS_BWD, pr.region, d, launch)
-    return dsout, dinit, dtot
-
-
-def run_dstate_pass(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor):
-    """``run_dstate`` and ``run_state_pass_bwd`` as one launch (``ssd_dstate_pass``): (dS leaving
-    each chunk in the io dtype, d initial state fp32, d total-decay parts, one per chunk)."""
-    d = pr.dims
-    dev = dy.device
-    dsout = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dev, dtype=pr.region.torch_io)
-    dinit = torch.empty(d.b, d.h, d.p, d.n, device=dev, dtype=torch.float32)
-    dtot = torch.empty(d.b * d.h, d.nc, 1, device=dev, dtype=torch.float32)
-    ring = torch.empty(d.b * d.h * 2, d.p, d.n, device=dev, dtype=torch.float32)
-
-    def launch(kern, cfg: TileConfig) -> None:
-        sync = torch.zeros(1 + d.b * d.h, device=dev, dtype=torch.int32)  # ticket counter, flags
-        args = [dy, pr.C, saved.cs, saved.sin, dfinal, dsout, dinit, dtot, ring, sync, d.b * d.h,
-                d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.C)
-        kern.launch((d.nc * d.b * d.h,), args, dict(BK=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
-
-    run_family(DSTATE_PASS, pr.region, d, launch)
     return dsout, dinit, dtot
 
 
@@ -223,11 +200,8 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
         dyv = dy.to(r.torch_io)
     if dfinal is None:
         dfinal = torch.zeros(d.b, d.h, d.p, d.n, device=x.device, dtype=torch.float32)
-    if fused_fits(d):
-        dsout, dinit, dtot = run_dstate_pass(pr, dyv, saved, dfinal.contiguous())
-    else:
-        dst = run_dstate(pr, dyv, saved.cs)
-        dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
+    dst = run_dstate(pr, dyv, saved.cs)
+    dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
     dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot)
     return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
             None if D is None else dD.to(D.dtype), None if z is None else dz.to(z.dtype),

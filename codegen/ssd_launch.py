@@ -159,19 +159,10 @@ def fused_candidates(d: Dims) -> list[TileConfig]:
     blocks and of the partner tiles."""
     if autotune.interpreting():
         return [TileConfig(block_m=32, block_k=16, num_warps=1)]
-    # H200, S1 / S2 (us, v6): 2 stages under a 168-register cap 416 / 563, 3 stages uncapped
-    # 467 / 632; 8 warps 688-880 / 935-1255
-    return [TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=2, maxnreg=168),
-            TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=3)]
-
-
-def state_fused_candidates(d: Dims) -> list[TileConfig]:
-    """Tiles of ``ssd_chunk_state_pass`` (block_k the steps per block; block_m unused)."""
-    if autotune.interpreting():
-        return [TileConfig(block_m=32, block_k=16, num_warps=1)]
-    return [TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=4),
-            TileConfig(block_m=64, block_k=32, num_warps=8, num_stages=3),
-            TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=3, maxnreg=168)]
+    # H200, S1 / S2 (us, v6): under a 168-register cap 3 stages 402 / 541, 2 stages 409-416 /
+    # 555-563; uncapped (255 registers) 3 stages 467 / 632; 8 warps 688-880 / 935-1255
+    return [TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=3, maxnreg=168),
+            TileConfig(block_m=64, block_k=32, num_warps=4, num_stages=2, maxnreg=168)]
 
 
 def dstate_candidates(d: Dims) -> list[TileConfig]:
@@ -219,7 +210,8 @@ def dcb_candidates(d: Dims) -> list[TileConfig]:
         sp = _divisors(d.hpg, (2, 1))[0]
         return [TileConfig(block_m=16, heads=2 if (d.hpg // sp) % 2 == 0 else 1, splits=sp, num_warps=1)]
     tiles = [(s, 2) for s in _divisors(d.hpg, (1, 2, 4, 8)) if fits(s)] + [(1, 1)]
-    return [TileConfig(block_m=64, heads=u, splits=s, num_warps=4, num_stages=2)
+    # a 168-register cap (3 CTAs per SM instead of 2): S1 343 -> 314 us, S2 544 -> 440 (v6)
+    return [TileConfig(block_m=64, heads=u, splits=s, num_warps=4, num_stages=2, maxnreg=168)
             for s, u in tiles if (d.hpg // s) % u == 0]
 
 
