@@ -84,3 +84,25 @@ def test_compiled_lm_auto_matches_reference():
     assert rel_err(out["auto"][1], out["reference"][1]) < 1e-2
     errs = {n: rel_err(out["auto"][2][n], g) for n, g in out["reference"][2].items()}
     assert max(errs.values()) < 1e-3, errs
+
+
+@pytest.mark.parametrize("b,l,h", [(2, 1000, 6), (1, 4100, 3)])
+def test_fused_forward_path_on_cuda(b, l, h):
+    """The one-launch forward (flag hand-over between chunk programs) against the three launches
+    and the float64 reference, at lengths that leave a partial last chunk, with an initial state."""
+    import math
+    from mambac.codegen import ssd_kernels as fk
+    gen = torch.Generator(device="cuda").manual_seed(b * l + h)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    p, n, g, q = 64, 128, 1, 256
+    x, dt, A = r(b, l, h, p), r(b, l, h) * 0.5 - 1, -torch.rand(h, device="cuda", generator=gen) - 0.5
+    B, C, D, z, bias, init = r(b, l, g, n), r(b, l, g, n), r(h), r(b, l, h, p), r(h) * 0.3, r(b, h, p, n)
+    args = [x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), D, z.bfloat16(), bias, init]
+    pr = fk.prepare(*args, q, True, 0.0, math.inf)
+    y, final, saved = fk.forward_prepared(pr, path="fused")
+    y3, final3, saved3 = fk.forward_prepared(pr, path="three")
+    ref = ssd(*[a.double() for a in args[:5]], chunk_size=q, D=D.double(), z=args[6].double(),
+              dt_bias=bias.double(), initial_state=init.double(), dt_softplus=True,
+              return_final_state=True)
+    assert rel_err(y, ref[0]) < 1e-2 and rel_err(final, ref[1]) < 1e-2
+    assert rel_err(y, y3) < 1e-2 and rel_err(final, final3) < 1e-4 and rel_err(saved.sin, saved3.sin) < 1e-2
