@@ -22,10 +22,9 @@ and the flags before every launch.
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import (dot, dt_args, emit_dims, emit_dt_helpers, emit_positions,
-                                          header, load_bias, seq_tile, to_io)
-from mambac.codegen.render_fwd import (chunk_scan_epilogue, chunk_scan_partners,
-                                       chunk_state_block)
+from mambac.codegen.render_common import (dt_args, emit_dims, emit_dt_helpers, emit_positions, header,
+                                          load_bias, to_io)
+from mambac.codegen.render_fwd import chunk_state_block, emit_scan_rows
 from mambac.codegen.writer import Writer
 
 NAME = "ssd_fused_fwd"
@@ -52,7 +51,7 @@ def render_fused_forward(r: SSDRegion) -> str:
         w.lines("ticket = tl.atomic_add(sync_ptr, 1)", "pid_c = ticket // BH", "pid_bh = ticket % BH",
                 "bi = pid_bh // H", "h = pid_bh % H", "h0 = h", "g = h // HPG", "bi64 = bi.to(tl.int64)")
         emit_dims(w)
-        w.lines(f"row = (bi64 * H + h) * (NC * {q}) + pid_c * {q}", "row_0 = row",
+        w.lines(f"row = (bi64 * H + h) * (NC * {q}) + pid_c * {q}",
                 "acc = tl.zeros((PP, NP), dtype=tl.float32)", "a = tl.load(a_ptr + h).to(tl.float32)")
         load_bias(w, r, "h")
         w.lines(f"lim = {q}", "run = a * 0.0  # cumsum of dA before this block")
@@ -73,20 +72,7 @@ def _scan_rows(w: Writer, r: SSDRegion) -> None:
     w.lines(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}",
             f"rows = tl.minimum(L - pid_c * {q}, {q})  # no row tiles wholly past the sequence")
     with w.block("for m0 in range(0, rows, BM):"):
-        emit_positions(w, "t", "m0", "BM", q)
-        w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t",
-                                   "m_n"))
-        w.comment("partners wholly before this row tile factor their decay through r = off - 1")
-        w.lines("off = m0 // BK * BK",
-                f"cs_t_0 = tl.load(cs_ptr + row + t, mask=t < {q}, other=0.0)",
-                "cs_r_0 = tl.load(cs_ptr + row + off - 1, mask=off > 0, other=0.0)",
-                f"acc_0 = {dot(r, 'c_t', 'st')} * tl.exp(cs_r_0)")
-        with w.block("for k0 in range(0, off, BK):"):
-            chunk_scan_partners(w, r, 1, diagonal=False)
-        w.line("acc_0 = acc_0 * tl.exp(cs_t_0 - cs_r_0)[:, None]")
-        with w.block("for k0 in range(off, m0 + BM, BK):"):
-            chunk_scan_partners(w, r, 1, diagonal=True)
-        chunk_scan_epilogue(w, r, 0, "forward")
+        emit_scan_rows(w, r, 1, "m0", "forward", lambda j: "st")
 
 
 def _hand_over(w: Writer, r: SSDRegion) -> None:

@@ -19,6 +19,8 @@ load whole tiles.  ``ssd_chunk_state`` in mode "dstate" is the backward's  sum_t
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, dt_args, dt_call,
                                           emit_dims, emit_dt_helpers, emit_positions, header,
@@ -176,7 +178,7 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
         raise ValueError(f"mode must be one of {CHUNK_SCAN_MODES}")
     if mode == "gate_backward" and not r.has_z:
         raise ValueError("the gate backward kernel exists only for regions with z")
-    name, q, io = chunk_scan_name(mode), r.chunk_size, r.tl_io
+    name, q = chunk_scan_name(mode), r.chunk_size
     w = Writer()
     header(w, name, r, f"Chunk output for {heads} head(s) per program"
            + (": y = C S_in + masked (C B^T) x, D skip, z gate." if mode == "forward"
@@ -193,30 +195,40 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
         w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_bh = tl.program_id(2)",
                 f"bi = pid_bh // (H // {heads})", f"h0 = (pid_bh % (H // {heads})) * {heads}",
                 "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
-        emit_positions(w, "t", "pid_m * BM", "BM", q)
         emit_dims(w)
         w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
-        w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
-        w.comment("tiles of partners s wholly before this row tile factor their decay through the")
-        w.comment("last of them, r = off - 1:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
-        w.line("off = (pid_m * BM) // BK * BK")
-        w.comment("contribution of the state entering the chunk: exp(cs_t) = exp(cs_t - cs_r) exp(cs_r)")
-        for j in range(heads):
-            w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
-            w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
-            w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + off - 1, mask=off > 0, other=0.0)")
-            w.line(f"st_{j} = " + state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True))
-            w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}.to({io})')} * tl.exp(cs_r_{j})")
-        w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
-        with w.block("for k0 in range(0, off, BK):"):
-            chunk_scan_partners(w, r, heads, diagonal=False)
-        for j in range(heads):
-            w.line(f"acc_{j} = acc_{j} * tl.exp(cs_t_{j} - cs_r_{j})[:, None]")
-        with w.block("for k0 in range(off, pid_m * BM + BM, BK):"):
-            chunk_scan_partners(w, r, heads, diagonal=True)
-        for j in range(heads):
-            chunk_scan_epilogue(w, r, j, mode)
+        emit_scan_rows(w, r, heads, "pid_m * BM", mode, lambda j: state_tile(
+            "sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True))
     return w.source()
+
+
+def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
+                   state: Callable[[int], str]) -> None:
+    """One row tile of the chunk scan (rows ``start`` .. ``start`` + BM) for ``heads`` heads of one
+    group, through the epilogue; ``state(j)`` is the text of head j's incoming state as a
+    (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` and the dims' offsets."""
+    q = r.chunk_size
+    emit_positions(w, "t", start, "BM", q)
+    w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
+    w.comment("tiles of partners s wholly before this row tile factor their decay through the")
+    w.comment("last of them, r = off - 1:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
+    w.line(f"off = ({start}) // BK * BK")
+    w.comment("contribution of the state entering the chunk: exp(cs_t) = exp(cs_t - cs_r) exp(cs_r)")
+    for j in range(heads):
+        w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
+        w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
+        w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + off - 1, mask=off > 0, other=0.0)")
+        w.line(f"st_{j} = {state(j)}")
+        w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}')} * tl.exp(cs_r_{j})")
+    w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
+    with w.block("for k0 in range(0, off, BK):"):
+        chunk_scan_partners(w, r, heads, diagonal=False)
+    for j in range(heads):
+        w.line(f"acc_{j} = acc_{j} * tl.exp(cs_t_{j} - cs_r_{j})[:, None]")
+    with w.block(f"for k0 in range(off, {start} + BM, BK):"):
+        chunk_scan_partners(w, r, heads, diagonal=True)
+    for j in range(heads):
+        chunk_scan_epilogue(w, r, j, mode)
 
 
 def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:

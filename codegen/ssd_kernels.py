@@ -100,16 +100,33 @@ def strides3(t: Tensor) -> list[int]:
     return [t.stride(0), t.stride(1), t.stride(2)]
 
 
+def dt_extra_args(pr: Prepared) -> list:
+    """The dt prologue's arguments after dt and A that the region uses (``render_common.dt_args``)."""
+    r = pr.region
+    return ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
+
+
+def dense_out(pr: Prepared, dtype: torch.dtype) -> Tensor:
+    """An uninitialised (batch, seq, heads, headdim) tensor like x."""
+    d = pr.dims
+    return torch.empty(d.b, d.l, d.h, d.p, device=pr.x.device, dtype=dtype)
+
+
+def dt_buffers(pr: Prepared) -> tuple[Tensor, Tensor]:
+    """Uninitialised dt' and dA-cumsum buffers, (batch, heads, nchunks*chunk) fp32 each."""
+    d = pr.dims
+    dtp = torch.empty(d.b, d.h, d.nc * d.q, device=pr.x.device, dtype=torch.float32)
+    return dtp, torch.empty_like(dtp)
+
+
 def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
     """Kernel 1: per-chunk states (fp32), processed dt and the dA cumsum."""
-    d, r, dev = pr.dims, pr.region, pr.x.device
-    dtp = torch.empty(d.b, d.h, d.nc * d.q, device=dev, dtype=torch.float32)
-    cs = torch.empty_like(dtp)
-    states = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dev, dtype=torch.float32)
-    opt = ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
+    d, r = pr.dims, pr.region
+    dtp, cs = dt_buffers(pr)
+    states = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=pr.x.device, dtype=torch.float32)
 
     def launch(kern, cfg: TileConfig) -> None:
-        args = [pr.x, pr.dt, pr.A, pr.B] + opt + [states, dtp, cs, d.l, d.h, d.hpg, d.nc, d.p, d.n]
+        args = [pr.x, pr.dt, pr.A, pr.B] + dt_extra_args(pr) + [states, dtp, cs, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.dt) + strides3(pr.B)
         kern.launch((d.nc, d.b * d.h, cdiv(d.p, cfg.block_m)), args,
                     dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg)
@@ -163,7 +180,7 @@ def scan_args(pr: Prepared) -> list:
 def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tensor) -> Tensor:
     """Kernel 3: y for every chunk, with the D skip and z gate fused."""
     d, r = pr.dims, pr.region
-    y = torch.empty(d.b, d.l, d.h, d.p, device=pr.x.device, dtype=pr.x.dtype)
+    y = dense_out(pr, pr.x.dtype)
     head = [pr.x, cb, pr.C] + ([pr.z] if r.has_z else []) + ([pr.D] if pr.D is not None else [])
 
     def launch(kern, cfg: TileConfig) -> None:
@@ -179,15 +196,14 @@ def run_fused_forward(pr: Prepared, cb: Tensor, save: bool) -> tuple[Tensor, Ten
     """Chunk state, state passing and chunk scan in one launch (``render_fused``): y, the final
     state and the intermediates (the states entering each chunk only when ``save``)."""
     d, r, dev = pr.dims, pr.region, pr.x.device
-    y = torch.empty(d.b, d.l, d.h, d.p, device=dev, dtype=pr.x.dtype)
-    dtp = torch.empty(d.b, d.h, d.nc * d.q, device=dev, dtype=torch.float32)
-    cs = torch.empty_like(dtp)
+    y = dense_out(pr, pr.x.dtype)
+    dtp, cs = dt_buffers(pr)
     sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dev, dtype=r.torch_io) if save else None
     final = torch.empty(d.b, d.h, d.p, d.n, device=dev, dtype=torch.float32)
     ring = torch.empty(d.b * d.h * 2, d.p, d.n, device=dev, dtype=torch.float32)
-    opt = ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
-    head = [pr.x, pr.dt, pr.A, pr.B] + opt + [cb, pr.C] + ([pr.z] if r.has_z else [])
-    head += ([pr.D] if pr.D is not None else []) + [y, dtp, cs, y if sin is None else sin]  # sin unused without save
+    head = [pr.x, pr.dt, pr.A, pr.B] + dt_extra_args(pr) + [cb, pr.C] + ([pr.z] if r.has_z else [])
+    # without save the kernel never touches sin_ptr: y stands in for it
+    head += ([pr.D] if pr.D is not None else []) + [y, dtp, cs, y if sin is None else sin]
     head += [pr.init] if r.has_initial_state else []
 
     def launch(kern, cfg: TileConfig) -> None:

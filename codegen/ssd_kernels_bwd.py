@@ -23,8 +23,9 @@ from torch import Tensor
 
 from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
 from mambac.codegen.kernel_ir import TileConfig
-from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_prepared, prepare,
-                                        run_chunk_state, run_state_pass, scan_args, strides3, with_cb)
+from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, dense_out, dt_extra_args, forward_prepared,
+                                        prepare, run_chunk_state, run_state_pass, scan_args, strides3,
+                                        with_cb)
 from mambac.codegen.ssd_launch import (Family, cdiv, dcb_candidates, dstate_candidates, dx_candidates,
                                        group_candidates, head_block_candidates, pow2, run_family, single_candidate,
                                        state_pass_candidates)
@@ -43,15 +44,10 @@ DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b"), group_ca
 DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r), single_candidate)
 
 
-def _dense_out(pr: Prepared, dtype: torch.dtype) -> Tensor:
-    d = pr.dims
-    return torch.empty(d.b, d.l, d.h, d.p, device=pr.x.device, dtype=dtype)
-
-
 def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Tensor, Tensor]:
     """dz and the gated dy (io dtype)."""
     d, r = pr.dims, pr.region
-    dz, dy = _dense_out(pr, r.torch_io), _dense_out(pr, r.torch_io)
+    dz, dy = dense_out(pr, r.torch_io), dense_out(pr, r.torch_io)
     head = [pr.x, saved.cb, pr.C, pr.z] + ([pr.D] if pr.D is not None else [])
 
     def launch(kern, cfg: TileConfig) -> None:
@@ -97,7 +93,7 @@ def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tenso
 def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
     """(dx, the direct part of ddt, dD parts or None)."""
     d, r = pr.dims, pr.region
-    dx = _dense_out(pr, pr.x.dtype)
+    dx = dense_out(pr, pr.x.dtype)
     ddtd = torch.empty_like(saved.cs)
 
     def launch(kern, cfg: TileConfig):
@@ -164,10 +160,9 @@ def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, es: Tensor, v: 
     da = torch.empty(d.b * d.h, d.nc, device=ddtd.device, dtype=torch.float32)
     dbias = torch.empty_like(da) if r.has_dt_bias else None
     nt, ndt = mrow.shape[-1], dtot.shape[-1]
-    opt = ([pr.dt_bias] if r.has_dt_bias else []) + ([pr.dt_min, pr.dt_max] if r.dt_clamp else [])
 
     def launch(kern, cfg: TileConfig) -> None:
-        args = [pr.dt, pr.A] + opt + [saved.dtp, ddtd, es, v, mrow, mcol, dtot, ddt, da]
+        args = [pr.dt, pr.A] + dt_extra_args(pr) + [saved.dtp, ddtd, es, v, mrow, mcol, dtot, ddt, da]
         args += ([dbias] if dbias is not None else []) + [d.l, d.h, d.nc] + strides3(pr.dt)
         kern.launch((d.nc, d.b * d.h), args + [nt, tile, ndt],
                     dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg)
