@@ -263,7 +263,7 @@ def forward_pieces(shape: dict):
                     None, q, True, 0.0, math.inf)
     states, dtp, cs = fk.run_chunk_state(pr)
     sin, _ = fk.run_state_pass(pr, states, cs)
-    saved = fk.SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=fk.run_chunk_cb(pr))
+    saved = fk.with_cb(pr, fk.SSDSaved(dtp=dtp, cs=cs, sin=sin))
     dy = torch.randn_like(ins["x"])
     dfin = torch.zeros(s["b"], s["h"], s["p"], s["n"], device=ins["x"].device)
     return fk, bk, pr, states, saved, dy, dfin
@@ -286,6 +286,7 @@ def time_parts(cg, shape: dict) -> None:
              ("fwd fused (chunk state + passing + scan)", lambda: fk.run_fused_forward(pr, cb, True)),
              *[(f"fwd all launches, path {p}", lambda p=p: fk.forward_prepared(pr, path=p))
                for p in fk.FORWARD_PATHS],
+             ("bwd chunk_cb (backward's)", lambda: fk.with_cb(pr, replace(saved, cb=None, cbt=None))),
              ("bwd chunk_dstate", lambda: bk.run_dstate(pr, dy, cs)),
              ("bwd state_pass", lambda: bk.run_state_pass_bwd(pr, dst, saved, dfin)),
              ("bwd dx", lambda: bk.run_dx(pr, dy, saved, dsout)),
@@ -300,14 +301,14 @@ def time_parts(cg, shape: dict) -> None:
             traceback.print_exc()
 
 
-# TileConfig fields of tiles to try beside the candidate lists (benchmarks/NOTES_ssd.md, v6):
-# register caps that let more CTAs share a multiprocessor (a chunk-state cap of 80 did not launch)
+# TileConfig fields of tiles to try beside the candidate lists (benchmarks/NOTES_ssd.md, v7):
+# dx now that it reads B C^T along its rows (3 stages under the cap, 64-wide target tiles), and
+# more dcb programs (8 splits) or a deeper head unroll
 VARIANTS = {
-    "DCB": (dict(block_m=64, heads=2, splits=2, num_stages=2),
-            dict(block_m=64, heads=2, splits=2, num_stages=2, maxnreg=144),
-            dict(block_m=64, heads=1, splits=2, num_stages=2, maxnreg=168)),
-    "CHUNK_STATE": (dict(block_m=64, block_k=32, num_stages=4),
-                    dict(block_m=64, block_k=32, num_stages=3, maxnreg=96)),
+    "DX": (dict(block_m=64, block_k=32, num_stages=3, maxnreg=128),
+           dict(block_m=64, block_k=64, num_stages=2, maxnreg=128)),
+    "DCB": (dict(block_m=64, heads=2, splits=8, num_stages=2, maxnreg=168),
+            dict(block_m=64, heads=4, splits=4, num_stages=2, maxnreg=168)),
 }
 
 
@@ -320,11 +321,14 @@ def time_variants(tag: str, shape: dict, timer=None) -> None:
     fk, bk, pr, _, saved, dy, dfin = forward_pieces(shape)
     dtp, cs, sin = saved.dtp, saved.cs, saved.sin
     dsout = bk.run_state_pass_bwd(pr, bk.run_dstate(pr, dy, cs), saved, dfin)[0]
+    dcb = bk.run_dcb(pr, dy, saved)[0]
     d = pr.dims
     runs = {"CHUNK_STATE": (fk, lambda: fk.run_chunk_state(pr)[0]),
             "CHUNK_SCAN": (fk, lambda: fk.run_chunk_scan(pr, dtp, cs, sin, saved.cb)),
             "DX": (bk, lambda: bk.run_dx(pr, dy, saved, dsout)[0]),
-            "DCB": (bk, lambda: bk.run_dcb(pr, dy, saved)[0].sum(0))}  # summed over the splits' parts
+            "DCB": (bk, lambda: bk.run_dcb(pr, dy, saved)[0].sum(0)),  # summed over the splits' parts
+            "DC": (bk, lambda: bk.run_dbc(pr, "c", dy, saved, sin, dcb)[0]),
+            "DB": (bk, lambda: bk.run_dbc(pr, "b", dy, saved, dsout, dcb)[0])}
     for fam_name, tiles in VARIANTS.items():
         module, run = runs[fam_name]
         original = getattr(module, fam_name)

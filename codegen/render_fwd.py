@@ -133,15 +133,23 @@ def render_state_pass(r: SSDRegion) -> str:
     return w.source()
 
 
-def render_chunk_cb(r: SSDRegion) -> str:
-    """Kernel 0: C_t.B_s inside each chunk, per group, (batch, chunk, group, q, q) fp32."""
+def chunk_cb_name(transposed: bool) -> str:
+    return "ssd_chunk_cb_both" if transposed else "ssd_chunk_cb"
+
+
+def render_chunk_cb(r: SSDRegion, transposed: bool = False) -> str:
+    """Kernel 0: C_t.B_s inside each chunk, per group, (batch, chunk, group, q, q); with
+    ``transposed`` also its transpose B_s.C_t (the backward's dx reads that one row by row)."""
     q = r.chunk_size
+    name = chunk_cb_name(transposed)
     w = Writer()
-    header(w, "ssd_chunk_cb", r, "C B^T inside each chunk, once per group (shared by its heads).")
-    args = ["b_ptr", "c_ptr", "cb_ptr", "L", "G", "NC", "N", "sbb", "sbl", "sbg", "scb", "scl", "scg",
-            "BM: tl.constexpr", "BK: tl.constexpr", "NP: tl.constexpr"]
+    header(w, name, r, "C B^T inside each chunk, once per group (shared by its heads)"
+           + (", and its transpose." if transposed else "."))
+    args = ["b_ptr", "c_ptr", "cb_ptr"] + (["cbt_ptr"] if transposed else [])
+    args += ["L", "G", "NC", "N", "sbb", "sbl", "sbg", "scb", "scl", "scg",
+             "BM: tl.constexpr", "BK: tl.constexpr", "NP: tl.constexpr"]
     w.line("@triton.jit")
-    with w.block(f"def ssd_chunk_cb({', '.join(args)}):"):
+    with w.block(f"def {name}({', '.join(args)}):"):
         w.lines(f"nk = {q} // BK + ({q} % BK > 0)", "pid_m = tl.program_id(0) // nk",
                 "pid_k = tl.program_id(0) % nk", "pid_c = tl.program_id(1)", "pid_bg = tl.program_id(2)",
                 "bi64 = (pid_bg // G).to(tl.int64)", "g = pid_bg % G",
@@ -159,6 +167,9 @@ def render_chunk_cb(r: SSDRegion) -> str:
         w.line(f"base = ((bi64 * NC + pid_c) * G + g) * {q * q}")
         w.line(f"tl.store(cb_ptr + base + t[:, None] * {q} + s[None, :], cb, "
                f"mask=(t < {q})[:, None] & (s < {q})[None, :])")
+        if transposed:
+            w.line(f"tl.store(cbt_ptr + base + s[None, :] * {q} + t[:, None], cb, "
+                   f"mask=(t < {q})[:, None] & (s < {q})[None, :])")
     return w.source()
 
 

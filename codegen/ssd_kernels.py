@@ -23,6 +23,8 @@ from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_
                                        state_pass_candidates)
 
 CHUNK_CB = Family("ssd_chunk_cb", lambda r, c: render_fwd.render_chunk_cb(r), cb_candidates)
+CHUNK_CB_BOTH = Family(render_fwd.chunk_cb_name(True), lambda r, c: render_fwd.render_chunk_cb(r, True),
+                       cb_candidates)
 CHUNK_STATE = Family("ssd_chunk_state", lambda r, c: render_fwd.render_chunk_state(r, "forward"),
                      chunk_state_candidates)
 STATE_PASS = Family("ssd_state_pass", lambda r, c: render_fwd.render_state_pass(r),
@@ -40,7 +42,8 @@ class SSDSaved:
     dtp, cs: (batch, heads, nchunks*chunk) fp32; sin: states entering each chunk (batch,
     nchunks, heads, headdim, dstate) in the io dtype; cb: C B^T per chunk and group (batch,
     nchunks, groups, chunk, chunk) fp32, or None (autograd does not keep it: ``with_cb`` forms it
-    again in the backward, one cheap launch).  ``sin`` is None after a forward asked not to save
+    again in the backward, one cheap launch); cbt: its transpose B C^T, which only the backward
+    reads (``with_cb`` forms it).  ``sin`` is None after a forward asked not to save
     (inference).
     """
 
@@ -48,6 +51,7 @@ class SSDSaved:
     cs: Tensor
     sin: Optional[Tensor]
     cb: Optional[Tensor] = None
+    cbt: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -135,23 +139,29 @@ def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
     return states, dtp, cs
 
 
-def run_chunk_cb(pr: Prepared) -> Tensor:
-    """Kernel 0: C B^T inside each chunk, per group, fp32 (zeros in tile pairs above the diagonal)."""
+def run_chunk_cb(pr: Prepared, transposed: bool = False) -> Tensor:
+    """Kernel 0: C B^T inside each chunk, per group, fp32 (zeros in tile pairs above the diagonal);
+    with ``transposed`` a (C B^T, B C^T) pair from one launch."""
     d, r = pr.dims, pr.region
-    cb = torch.empty(d.b, d.nc, d.g, d.q, d.q, device=pr.x.device, dtype=torch.float32)
+    out = [torch.empty(d.b, d.nc, d.g, d.q, d.q, device=pr.x.device, dtype=torch.float32)
+           for _ in range(1 + transposed)]
 
     def launch(kern, cfg: TileConfig) -> None:
         grid = (cdiv(d.q, cfg.block_m) * cdiv(d.q, cfg.block_k), d.nc, d.b * d.g)
-        kern.launch(grid, [pr.B, pr.C, cb, d.l, d.g, d.nc, d.n] + strides3(pr.B) + strides3(pr.C),
+        kern.launch(grid, [pr.B, pr.C] + out + [d.l, d.g, d.nc, d.n] + strides3(pr.B) + strides3(pr.C),
                     dict(BM=cfg.block_m, BK=cfg.block_k, NP=d.np_), cfg)
 
-    run_family(CHUNK_CB, r, d, launch)
-    return cb
+    run_family(CHUNK_CB_BOTH if transposed else CHUNK_CB, r, d, launch)
+    return tuple(out) if transposed else out[0]
 
 
 def with_cb(pr: Prepared, saved: "SSDSaved") -> "SSDSaved":
-    """``saved`` with its C B^T formed if it has none."""
-    return saved if saved.cb is not None else dataclasses.replace(saved, cb=run_chunk_cb(pr))
+    """``saved`` with the products the backward reads: C B^T and its transpose B C^T (dx reads the
+    transpose along its rows; both come from one launch unless ``saved`` has both already)."""
+    if saved.cb is not None and saved.cbt is not None:
+        return saved
+    cb, cbt = run_chunk_cb(pr, transposed=True)
+    return dataclasses.replace(saved, cb=cb, cbt=cbt)
 
 
 def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,7 @@
 (x, dt, A, B, C, D, z, dt_bias, initial_state), None where an input is absent.  Launch order:
 
     [chunk_state, state_pass]   only when the forward's intermediates were not kept
-    chunk_cb                    C B^T per chunk and group (autograd does not keep it)
+    chunk_cb_both               C B^T and B C^T per chunk and group (autograd does not keep them)
     gate_backward               with z: recomputes y; gives dz and the gated dy
     chunk_dstate                per chunk: sum_t exp(cs_t) dy_t C_t^T
     state_pass_bwd              reverse passing: dS per chunk, d initial state, d(total decay)
@@ -100,7 +100,7 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
         nm = cdiv(d.q, cfg.block_m)
         dshape = (d.b, d.nc, nm, d.h) + ((d.p,) if r.d_mode == "head_dim" else ())
         dd = torch.empty(dshape, device=dy.device, dtype=torch.float32) if pr.D is not None else None
-        args = [pr.x, pr.B, saved.cb, dy] + ([pr.D, dd] if pr.D is not None else [])
+        args = [pr.x, pr.B, saved.cbt, dy] + ([pr.D, dd] if pr.D is not None else [])
         args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.B)
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,

@@ -16,6 +16,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return num if den == 0 else num / den
 
 
+def assert_in_order(src: str, *parts: str) -> None:
+    """Each part occurs in ``src``, after the previous one (ordered checks of generated source)."""
+    at = 0
+    for p in parts:
+        i = src.find(p, at)
+        assert i >= 0, f"{p!r} not found after offset {at} in:\n{src}"
+        at = i + len(p)
+
+
 def _as_tuple(x):
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 

@@ -16,8 +16,7 @@ from mambac.ops import add_rmsnorm as add_mod  # noqa: F401  (registers the ops)
 from mambac.ops.add_rmsnorm import reference as add_ref
 from mambac.ops.causal_conv1d import reference as conv_ref
 from mambac.ops.gated_rmsnorm import reference as gated_ref
-from tests.codegen.test_render_ssd import assert_in_order
-from tests.helpers import rel_err
+from tests.helpers import assert_in_order, rel_err
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 

@@ -16,8 +16,7 @@ import torch
 from mambac.codegen import lce_kernels, render_lce
 from mambac.codegen.lce_kernels import LceRegion
 from mambac.ops import linear_cross_entropy, use_kernels
-from tests.codegen.test_render_ssd import assert_in_order
-from tests.helpers import rel_err
+from tests.helpers import assert_in_order, rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 IGNORE = -100

@@ -10,6 +10,7 @@ import pytest
 
 from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
 from mambac.codegen.kernel_ir import SSDRegion
+from tests.helpers import assert_in_order
 
 
 def region(**kw) -> SSDRegion:
@@ -17,15 +18,6 @@ def region(**kw) -> SSDRegion:
                 has_initial_state=True, io_dtype="bf16", chunk_size=64)
     base.update(kw)
     return SSDRegion(**base)
-
-
-def assert_in_order(src: str, *parts: str) -> None:
-    """Each part occurs in ``src``, after the previous one."""
-    at = 0
-    for p in parts:
-        i = src.find(p, at)
-        assert i >= 0, f"{p!r} not found after offset {at} in:\n{src}"
-        at = i + len(p)
 
 
 def all_sources(r: SSDRegion) -> dict[str, str]:
@@ -98,7 +90,13 @@ def test_chunk_cb_writes_causal_tile_pairs_once_per_group():
     assert_in_order(src, "def ssd_chunk_cb(b_ptr, c_ptr, cb_ptr", "if pid_k * BK < pid_m * BM + BM:",
                     "c_t = tl.load(c_ptr", "b_s = tl.load(b_ptr", "cb = tl.dot(c_t, tl.trans(b_s))", "else:",
                     "cb = tl.zeros((BM, BK)", "tl.store(cb_ptr + base")
+    assert "cbt_ptr" not in src
+    both = render_fwd.render_chunk_cb(region(), transposed=True)
+    assert_in_order(both, "def ssd_chunk_cb_both(b_ptr, c_ptr, cb_ptr, cbt_ptr",
+                    "tl.store(cb_ptr + base + t[:, None] * 64 + s[None, :], cb",
+                    "tl.store(cbt_ptr + base + s[None, :] * 64 + t[:, None], cb")
     dx = render_bwd_tiles.render_dx(region(), 1)
+    assert "cb_ptr + cb_base + s[:, None] * 64 + t[None, :]" in dx  # the transpose, along its rows
     assert_in_order(dx, "cb_base = ", "dend = ", "rr = tl.minimum(dend, 64) - 1", "tl.exp(cend - cs_r_0)",
                     "for k0 in range(dend, 64, BK):", "cbt = tl.load(cb_ptr", "mask=(t < ",
                     "wj = cbt * tl.exp(cs_t - cs_r_0)[None, :]",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 
 from mambac.cli import main
-from tests.codegen.test_render_ssd import assert_in_order
+from tests.helpers import assert_in_order
 
 
 def _kernels(capsys, preset: str) -> str:
