@@ -131,14 +131,24 @@ def run_dcb(pr: Prepared, dy: Tensor, saved: SSDSaved) -> tuple[Tensor, Tensor, 
     return run_family(DCB, pr.region, d, launch)
 
 
-def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor, dcb: Tensor):
-    """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving) in fp32, and the
-    state path's per-head cumsum-gradient piece (es or v)."""
+def stored_dtype(pr: Prepared, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel stores an output in that the caller wants in ``dtype``: that one (the
+    store rounds to nearest, and no conversion launch follows), except under the interpreter,
+    whose casts truncate: there fp32, converted by torch afterwards."""
+    return torch.float32 if pr.region.dot_precision == "upcast" else dtype
+
+
+def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor, dcb: Tensor,
+            dtype: torch.dtype = torch.float32):
+    """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving) in ``dtype``, and
+    the state path's per-head cumsum-gradient piece (es or v).  Unsplit, the kernel stores in
+    ``dtype`` itself (no conversion launch); split parts are fp32, summed, then converted."""
     d = pr.dims
     side = torch.empty_like(saved.cs)
 
     def launch(kern, cfg: TileConfig):
-        out = torch.empty(d.b, d.l, cfg.splits, d.g, d.n, device=dy.device, dtype=torch.float32)
+        out = torch.empty(d.b, d.l, cfg.splits, d.g, d.n, device=dy.device,
+                          dtype=stored_dtype(pr, dtype) if cfg.splits == 1 else torch.float32)
         args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state, dcb, out, side, d.l, d.h,
                 d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, dcb.shape[0], dcb[0].numel()]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
@@ -147,16 +157,16 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
         return out
 
     out = run_family(DC if which == "c" else DB, pr.region, d, launch)
-    return (out[:, :, 0] if out.shape[2] == 1 else out.sum(2)), side
+    return (out[:, :, 0] if out.shape[2] == 1 else out.sum(2)).to(dtype), side
 
 
 def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, es: Tensor, v: Tensor, pairs: tuple,
                     dtot: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(ddt in dt's dtype and layout, dA parts, dt_bias parts or None); ``pairs`` is what
+    """(ddt in dt's layout and ``stored_dtype``, dA parts, dt_bias parts or None); ``pairs`` is what
     ``run_dcb`` gives after dCB: (row sums, column sums, tile size)."""
     d, r = pr.dims, pr.region
     mrow, mcol, tile = pairs
-    ddt = torch.empty(d.b, d.l, d.h, device=ddtd.device, dtype=torch.float32)
+    ddt = torch.empty(d.b, d.l, d.h, device=ddtd.device, dtype=stored_dtype(pr, pr.dt.dtype))
     da = torch.empty(d.b * d.h, d.nc, device=ddtd.device, dtype=torch.float32)
     dbias = torch.empty_like(da) if r.has_dt_bias else None
     nt, ndt = mrow.shape[-1], dtot.shape[-1]
@@ -197,25 +207,26 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
         dfinal = torch.zeros(d.b, d.h, d.p, d.n, device=x.device, dtype=torch.float32)
     dst = run_dstate(pr, dyv, saved.cs)
     dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
-    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot)
+    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, (B.dtype, C.dtype))
     return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
             None if D is None else dD.to(D.dtype), None if z is None else dz.to(z.dtype),
             None if dt_bias is None else dbias.to(dt_bias.dtype),
             None if initial_state is None else dinit.to(initial_state.dtype))
 
 
-def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Tensor,
-                           dtot: Tensor) -> tuple[Optional[Tensor], ...]:
+def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Tensor, dtot: Tensor,
+                           bc_dtypes: tuple = (torch.float32, torch.float32)) -> tuple[Optional[Tensor], ...]:
     """The launches after the reverse state passing, given the gated dy, the gradient of the state
     leaving each chunk and the chunks' total-decay gradient parts: (dx, ddt, dA, dB, dC, dD,
-    ddt_bias), dx in x's dtype, the others fp32, None where the region has no D / dt_bias.
+    ddt_bias), dx in x's dtype, ddt in dt's, dB and dC in ``bc_dtypes`` (B's and C's: the kernels
+    store them so), the others fp32, None where the region has no D / dt_bias.
     A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``."""
     d = pr.dims
     saved = with_cb(pr, saved)
     dx, ddtd, dd = run_dx(pr, dyv, saved, dsout)
     dcb, *pairs = run_dcb(pr, dyv, saved)
-    dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb)
-    dB, v = run_dbc(pr, "b", dyv, saved, dsout, dcb)
+    dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb, bc_dtypes[1])
+    dB, v = run_dbc(pr, "b", dyv, saved, dsout, dcb, bc_dtypes[0])
     ddt, da, dbias = run_dt_backward(pr, saved, ddtd, es, v, tuple(pairs), dtot)
     dA = da.view(d.b, d.h, d.nc).sum((0, 2))
     dD = None if pr.D is None else dd.sum((0, 1, 2))

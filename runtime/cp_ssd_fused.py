@@ -97,9 +97,11 @@ def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
 
 
 def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exchange, dy: Tensor,
-                    dfinal: Tensor) -> tuple[Optional[Tensor], ...]:
+                    dfinal: Tensor, bc_dtypes: tuple = (torch.float32, torch.float32)
+                    ) -> tuple[Optional[Tensor], ...]:
     """Backward launches around the gather: (dx, ddt, dA, dB, dC, dD, dz, ddt_bias) as
-    ``backward_after_passing`` gives them, dz in the io dtype (None without z)."""
+    ``backward_after_passing`` gives them (dB, dC in ``bc_dtypes``), dz in the io dtype (None
+    without z)."""
     from mambac.codegen.cp_combine_kernels import weighted_rows
     d, r, rank = pr.dims, pr.region, exchange.rank
     world = totals.shape[0]
@@ -118,7 +120,7 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     else:
         df_ext = weighted_rows(every[rank + 1:], suffix_weights(totals, rank), d.h * d.p * d.n)
         dsout, _, dtot = run_state_pass_bwd(pr, dst, saved, (dfinal + df_ext.view_as(dfinal)).contiguous())
-    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot)
+    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, bc_dtypes)
     return dx, ddt, dA, dB, dC, dD, dz, dbias
 
 
@@ -144,7 +146,7 @@ class CPSSDFunction(torch.autograd.Function):
         dfinal = (torch.zeros(d.b, d.h, d.p, d.n, device=x.device, dtype=torch.float32) if dfinal is None
                   else dfinal.float().contiguous())
         dx, ddt, dA, dB, dC, dD, dz, dbias = backward_passes(
-            pr, SSDSaved(dtp=dtp, cs=cs, sin=sin), totals, ctx.exchange, dy, dfinal)
+            pr, SSDSaved(dtp=dtp, cs=cs, sin=sin), totals, ctx.exchange, dy, dfinal, (B.dtype, C.dtype))
         return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
                 None if D is None else dD.to(D.dtype), None if z is None else dz.to(z.dtype),
                 None if dt_bias is None else dbias.to(dt_bias.dtype)) + (None,) * 5
