@@ -218,8 +218,9 @@ def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Te
                            bc_dtypes: tuple = (torch.float32, torch.float32)) -> tuple[Optional[Tensor], ...]:
     """The launches after the reverse state passing, given the gated dy, the gradient of the state
     leaving each chunk and the chunks' total-decay gradient parts: (dx, ddt, dA, dB, dC, dD,
-    ddt_bias), dx in x's dtype, ddt in dt's, dB and dC in ``bc_dtypes`` (B's and C's: the kernels
-    store them so), the others fp32, None where the region has no D / dt_bias.
+    ddt_bias), dx in x's dtype, ddt in dt's and dB, dC in ``bc_dtypes`` (B's and C's; the kernels
+    store them so, except ddt under the interpreter: fp32), the others fp32, None where the region
+    has no D / dt_bias.
     A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``."""
     d = pr.dims
     saved = with_cb(pr, saved)
