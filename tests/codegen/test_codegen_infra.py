@@ -190,3 +190,14 @@ def test_gpu_tile_candidates_fit_the_shape(monkeypatch, h, g, p, n):
         for c in cands:
             assert d.hpg % c.splits == 0 and (d.hpg // c.splits) % c.heads == 0
             assert c.block_m >= 16 and c.block_k >= 16
+
+
+def test_host_overhead_benchmark_prints_its_table():
+    """benchmarks/ssd_host_overhead.py runs anywhere (launches stubbed) and prints one row per path."""
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "ssd_host_overhead.py"
+    r = subprocess.run([sys.executable, str(script), "--calls", "3"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| forward")]
+    assert len(rows) == 2 and all(float(ln.split("|")[2]) > 0 for ln in rows), r.stdout
