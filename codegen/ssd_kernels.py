@@ -139,7 +139,7 @@ def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
     return states, dtp, cs
 
 
-def run_chunk_cb(pr: Prepared, transposed: bool = False) -> Tensor:
+def run_chunk_cb(pr: Prepared, transposed: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Kernel 0: C B^T inside each chunk, per group, fp32 (zeros in tile pairs above the diagonal);
     with ``transposed`` a (C B^T, B C^T) pair from one launch."""
     d, r = pr.dims, pr.region

@@ -132,9 +132,9 @@ def run_dcb(pr: Prepared, dy: Tensor, saved: SSDSaved) -> tuple[Tensor, Tensor, 
 
 
 def stored_dtype(pr: Prepared, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a kernel stores an output in that the caller wants in ``dtype``: that one (the
+    """The dtype a kernel stores an output in that its caller returns in ``dtype``: that one (the
     store rounds to nearest, and no conversion launch follows), except under the interpreter,
-    whose casts truncate: there fp32, converted by torch afterwards."""
+    whose casts truncate: there fp32, and the caller's ``.to(dtype)`` converts."""
     return torch.float32 if pr.region.dot_precision == "upcast" else dtype
 
 
@@ -162,7 +162,7 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
 
 def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, es: Tensor, v: Tensor, pairs: tuple,
                     dtot: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(ddt in dt's layout and ``stored_dtype``, dA parts, dt_bias parts or None); ``pairs`` is what
+    """(ddt in dt's dtype and layout, dA parts, dt_bias parts or None); ``pairs`` is what
     ``run_dcb`` gives after dCB: (row sums, column sums, tile size)."""
     d, r = pr.dims, pr.region
     mrow, mcol, tile = pairs
@@ -178,7 +178,7 @@ def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, es: Tensor, v: 
                     dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg)
 
     run_family(DT_BWD, r, d, launch)
-    return ddt, da, dbias
+    return ddt.to(pr.dt.dtype), da, dbias
 
 
 def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
@@ -208,19 +208,18 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
     dst = run_dstate(pr, dyv, saved.cs)
     dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
     dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, (B.dtype, C.dtype))
-    return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+    return (dx, ddt, dA.to(A.dtype), dB, dC,
             None if D is None else dD.to(D.dtype), None if z is None else dz.to(z.dtype),
             None if dt_bias is None else dbias.to(dt_bias.dtype),
             None if initial_state is None else dinit.to(initial_state.dtype))
 
 
 def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Tensor, dtot: Tensor,
-                           bc_dtypes: tuple = (torch.float32, torch.float32)) -> tuple[Optional[Tensor], ...]:
+                           bc_dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Optional[Tensor], ...]:
     """The launches after the reverse state passing, given the gated dy, the gradient of the state
     leaving each chunk and the chunks' total-decay gradient parts: (dx, ddt, dA, dB, dC, dD,
-    ddt_bias), dx in x's dtype, ddt in dt's and dB, dC in ``bc_dtypes`` (B's and C's; the kernels
-    store them so, except ddt under the interpreter: fp32), the others fp32, None where the region
-    has no D / dt_bias.
+    ddt_bias), dx in x's dtype, ddt in dt's, dB and dC in ``bc_dtypes`` (B's and C's), the others
+    fp32, None where the region has no D / dt_bias.
     A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``."""
     d = pr.dims
     saved = with_cb(pr, saved)

@@ -97,8 +97,7 @@ def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
 
 
 def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exchange, dy: Tensor,
-                    dfinal: Tensor, bc_dtypes: tuple = (torch.float32, torch.float32)
-                    ) -> tuple[Optional[Tensor], ...]:
+                    dfinal: Tensor, bc_dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Optional[Tensor], ...]:
     """Backward launches around the gather: (dx, ddt, dA, dB, dC, dD, dz, ddt_bias) as
     ``backward_after_passing`` gives them (dB, dC in ``bc_dtypes``), dz in the io dtype (None
     without z)."""
@@ -147,7 +146,7 @@ class CPSSDFunction(torch.autograd.Function):
                   else dfinal.float().contiguous())
         dx, ddt, dA, dB, dC, dD, dz, dbias = backward_passes(
             pr, SSDSaved(dtp=dtp, cs=cs, sin=sin), totals, ctx.exchange, dy, dfinal, (B.dtype, C.dtype))
-        return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+        return (dx, ddt, dA.to(A.dtype), dB, dC,
                 None if D is None else dD.to(D.dtype), None if z is None else dz.to(z.dtype),
                 None if dt_bias is None else dbias.to(dt_bias.dtype)) + (None,) * 5
 

@@ -121,8 +121,9 @@ def test_backward_recomputes_without_saved_state():
 
 @pytest.mark.parametrize("path", ["fused", "three"])
 def test_forward_paths_match_referee(path):
-    """Each way of launching the forward (one fused launch, three launches) against the referee, with several chunks, a partial last chunk and an initial state;
-    the states entering each chunk (kept for the backward) agree between the paths."""
+    """Each way of launching the forward (one fused launch, three launches) against the referee,
+    with several chunks, a partial last chunk and an initial state; the states entering each
+    chunk (kept for the backward) agree between the paths."""
     fk = importlib.import_module("mambac.codegen.ssd_kernels")
     args = make_inputs(21, 2, 27, 3, 4, 8, 1, D="head", z=True, init=True, bias=True)
     x, dt, A, B, C, D, z, bias, init = args
@@ -143,4 +144,3 @@ def test_forward_path_errors():
     big = fk.prepare(*make_inputs(2, 1, 8, 1, 128, 128, 1), 8, True, 0.0, math.inf)
     with pytest.raises(ValueError, match="use path='three'"):
         fk.forward_prepared(big, path="fused")
-
