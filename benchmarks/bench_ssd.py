@@ -19,6 +19,9 @@ Commands (default: check time parts):
   variants    the kernels of VARIANTS alone at S1 and S2 with each of their tiles there (outside
               the candidate lists, e.g. with a register cap), and each result's difference from
               the default tile's
+  host        the host's cost of the ungraphed S1 fwd+bwd: wall time per call with the calls queued
+              back to back, through Triton's launch path and through direct launches
+              (``codegen/direct_launch.py``), and a cProfile of the direct one's top functions
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
 Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
@@ -301,15 +304,11 @@ def time_parts(cg, shape: dict) -> None:
             traceback.print_exc()
 
 
-# TileConfig fields of tiles to try beside the candidate lists (benchmarks/NOTES_ssd.md, v7):
-# dx now that it reads B C^T along its rows (3 stages under the cap, 64-wide target tiles), and
-# more dcb programs (8 splits) or a deeper head unroll
-VARIANTS = {
-    "DX": (dict(block_m=64, block_k=32, num_stages=3, maxnreg=128),
-           dict(block_m=64, block_k=64, num_stages=2, maxnreg=128)),
-    "DCB": (dict(block_m=64, heads=2, splits=8, num_stages=2, maxnreg=168),
-            dict(block_m=64, heads=4, splits=4, num_stages=2, maxnreg=168)),
-}
+# TileConfig fields of tiles to try beside the candidate lists (benchmarks/NOTES_ssd.md, v8): dC and
+# dB at 8 warps (ptxas: 100 bytes of spills there against 750-1,540 at 4 warps), 64 x 64 and 64 x 32
+_DBC_8 = tuple(dict(block_m=64, block_k=bk, splits=s, num_warps=8, num_stages=2)
+               for bk, s in ((64, 2), (64, 4), (32, 4)))
+VARIANTS = {"DC": _DBC_8, "DB": _DBC_8}
 
 
 def time_variants(tag: str, shape: dict, timer=None) -> None:
@@ -351,6 +350,50 @@ def time_variants(tag: str, shape: dict, timer=None) -> None:
         finally:
             setattr(module, fam_name, original)
             sl._PLANS.clear()
+
+
+def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
+    """Host cost of the ungraphed fwd+bwd, Triton's launch path against direct launches."""
+    import cProfile
+    import io
+    import pstats
+    import time
+    cc = importlib.import_module("mambac.codegen.compile")
+    s = dict(shape)
+    q = s.pop("q")
+    ins = inputs(**s)
+    x, dt, A, B, C, D, dtb = (ins[k].requires_grad_(True) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    dy = torch.randn_like(x)
+
+    def fb():
+        cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)[0].backward(dy)
+
+    try:
+        for direct in (False, True) * 3:
+            cc.DIRECT = direct
+            fb()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fb()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            rec(f"{tag} host direct={direct} fwd+bwd us (host, wall per call)",
+                (round((t1 - t0) / calls * 1e6, 1), round((t2 - t0) / calls * 1e6, 1)))
+            rec(f"{tag} host direct={direct} fwd+bwd do_bench us", round(bench_ms(fb) * 1e3, 1))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fb()
+        prof.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+        print(f"cProfile of {calls} direct fwd+bwd calls (times are totals over the calls):")
+        print("\n".join(ln for ln in out.getvalue().splitlines() if ln.strip())[:6000], flush=True)
+    finally:
+        cc.DIRECT = True
 
 
 def summary() -> None:
@@ -395,6 +438,8 @@ def main(argv: list[str]) -> None:
         time_case(cg, mamba, "S2", S2)
     if "parts" in what:
         time_parts(cg, S1)
+    if "host" in what:
+        time_host(cg, "S1", S1)
     if "variants" in what:
         time_variants("S1", S1)
         time_variants("S2", S2)

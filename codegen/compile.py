@@ -17,13 +17,20 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from mambac.errors import MambacError
+from mambac.knobs import knobs
 from mambac.codegen import cache
+from mambac.codegen.autotune import interpreting
+from mambac.codegen.direct_launch import DirectLaunches
 from mambac.codegen.kernel_ir import TileConfig
+
+# later launches of a kernel skip Triton's per-call dispatch (``direct_launch``); False sends every
+# launch through ``kernel[grid](...)`` (benchmarks compare the two)
+DIRECT = True
 
 STAGES = ("render", "write", "import", "autotune")
 
@@ -41,6 +48,11 @@ class CompiledKernel:
     path: Path
     module: ModuleType
     stage_log: list[str] = field(default_factory=list)
+    direct: Optional[DirectLaunches] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not interpreting() and hasattr(self.module, self.name):
+            self.direct = DirectLaunches(self.fn)
 
     @property
     def fn(self) -> Any:
@@ -56,7 +68,11 @@ class CompiledKernel:
         ``CodegenError``."""
         options = cfg.launch_options()
         try:
-            self.fn[grid](*args, **constexprs, **options)
+            if self.direct is None or not DIRECT or not knobs().direct_launch:
+                self.fn[grid](*args, **constexprs, **options)
+            else:
+                self.direct.launch(grid, args, constexprs, options,
+                                   lambda: self.fn[grid](*args, **constexprs, **options))
         except Exception as exc:
             repro = write_launch_repro(self, grid, args, constexprs, options)
             raise CodegenError(f"launch of generated kernel {self.name} failed: {exc!r}\n"

@@ -36,6 +36,7 @@ class Knobs:
     logs: str | None = None        # MAMBAC_LOGS: logging level for the "mambac" logger (e.g. info, debug)
     kernels: str = "auto"          # MAMBAC_KERNELS: auto | triton | reference
     progress: str = "auto"         # MAMBAC_PROGRESS: auto (bars on a terminal) | 1 (always) | 0 (never)
+    direct_launch: bool = True     # MAMBAC_DIRECT_LAUNCH: repeat launches skip Triton's dispatch (0: never)
 
 
 def _from_env() -> Knobs:
@@ -49,6 +50,7 @@ def _from_env() -> Knobs:
         logs=os.environ.get("MAMBAC_LOGS") or None,
         kernels=(os.environ.get("MAMBAC_KERNELS") or "auto").strip().lower(),
         progress=(os.environ.get("MAMBAC_PROGRESS") or "auto").strip().lower(),
+        direct_launch=_flag("MAMBAC_DIRECT_LAUNCH", default=True),
     )
 
 
