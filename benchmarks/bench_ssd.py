@@ -22,6 +22,9 @@ Commands (default: check time parts):
   host        the host's cost of the ungraphed S1 fwd+bwd: wall time per call with the calls queued
               back to back, through Triton's launch path and through direct launches
               (``codegen/direct_launch.py``), and a cProfile of the direct one's top functions
+  streams     fwd+bwd (replayed from a CUDA graph, and launched from Python) with the backward's pair
+              chain on a second stream and on the current one, alternated, at S1 and S2; the tiles
+              are PINNED (autotune's choices of the sixth session's runs), so nothing is timed twice
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
 Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
@@ -396,6 +399,47 @@ def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
         cc.DIRECT = True
 
 
+# autotune's choices at S1 in the sixth session's runs where they differ from the first candidate
+PINNED = {"ssd_dcb": dict(block_m=64, block_k=64, heads=2, splits=4, num_warps=4, num_stages=2, maxnreg=168),
+          "ssd_state_pass": dict(block_m=1024, block_k=64, num_warps=4, num_stages=2),
+          "ssd_state_pass_bwd": dict(block_m=1024, block_k=64, num_warps=4, num_stages=2)}
+
+
+def time_streams(cg, tag: str, shape: dict) -> None:
+    """The backward's pair chain beside its state chain (codegen/streams.py) or after it."""
+    st = importlib.import_module("mambac.codegen.streams")
+    at = importlib.import_module("mambac.codegen.autotune")
+    TileConfig = importlib.import_module("mambac.codegen.kernel_ir").TileConfig
+    choose = at.choose
+
+    def pinned(family, bucket, cands, bench):
+        want = PINNED.get(family.split("-")[0])
+        return next((c for c in cands if want is not None and c == TileConfig(**want)), cands[0])
+
+    s = dict(shape)
+    q = s.pop("q")
+    ins = inputs(**s)
+    x, dt, A, B, C, D, dtb = (ins[k].requires_grad_(True) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    dy = torch.randn_like(x)
+
+    def fb():
+        cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)[0].backward(dy)
+
+    at.choose = pinned
+    try:
+        for conc in (False, True) * 2:
+            st.CONCURRENT = conc
+            fb()
+            rec(f"{tag} streams concurrent={conc} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
+            rec(f"{tag} streams concurrent={conc} fwd+bwd us", round(bench_ms(fb) * 1e3, 1))
+    except Exception as exc:
+        rec(f"{tag} streams", f"failed: {exc!r}"[:200])
+    finally:
+        st.CONCURRENT = True
+        at.choose = choose
+        importlib.import_module("mambac.codegen.ssd_launch")._PLANS.clear()
+
+
 def summary() -> None:
     print("\n| shape | impl | fwd us | fwd+bwd us | fwd+bwd graphed us |\n|---|---|---|---|---|")
     for tag in ("S1", "S2"):
@@ -446,6 +490,9 @@ def main(argv: list[str]) -> None:
     for which in CHECKS:
         if which in what:
             run_checks(cg, which)
+    if "streams" in what:
+        time_streams(cg, "S1", S1)
+        time_streams(cg, "S2", S2)
     at = importlib.import_module("mambac.codegen.autotune")
     rec("autotune choices", {f"{k[0].split('-')[0]} {k[1]}": v.to_json() for k, v in at._CHOSEN.items()})
     summary()

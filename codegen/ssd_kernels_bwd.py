@@ -6,16 +6,22 @@
     [chunk_state, state_pass]   only when the forward's intermediates were not kept
     chunk_cb_both               C B^T and B C^T per chunk and group (autograd does not keep them)
     gate_backward               with z: recomputes y; gives dz and the gated dy
-    chunk_dstate                per chunk: sum_t exp(cs_t) dy_t C_t^T
-    state_pass_bwd              reverse passing: dS per chunk, d initial state, d(total decay)
-    dx                          dx, the direct part of ddt, dD parts
-    dcb                         pair weights summed over each group's heads, their per-head sums
-    dc, db                      dC, dB per group (state paths per head, dcb times B or C)
+    then two chains side by side (on CUDA the pair chain runs on a second stream, streams.py):
+      state chain:
+        chunk_dstate            per chunk: sum_t exp(cs_t) dy_t C_t^T
+        state_pass_bwd          reverse passing: dS per chunk, d initial state, d(total decay)
+        dx                      dx, the direct part of ddt, dD parts
+      pair chain:
+        dcb                     pair weights summed over each group's heads, their per-head sums
+        dc                      dC per group (state path per head, dcb times B)
+    and after both:
+    db                          dB per group (state path per head, dcb times C)
     dt_backward                 reverse cumsum, prologue backward: ddt, dA and dt_bias parts
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,6 +29,7 @@ from torch import Tensor
 
 from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
 from mambac.codegen.kernel_ir import TileConfig
+from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, dense_out, dt_extra_args, forward_prepared,
                                         prepare, run_chunk_state, run_state_pass, scan_args, strides3,
                                         with_cb)
@@ -205,33 +212,59 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
         dyv = dy.to(r.torch_io)
     if dfinal is None:
         dfinal = torch.zeros(d.b, d.h, d.p, d.n, device=x.device, dtype=torch.float32)
+    pairs = start_pair_chain(pr, saved, dyv, C.dtype)   # beside the state chain below
     dst = run_dstate(pr, dyv, saved.cs)
     dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
-    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, (B.dtype, C.dtype))
+    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, (B.dtype, C.dtype),
+                                                            pairs)
     return (dx, ddt, dA.to(A.dtype), dB, dC,
             None if D is None else dD.to(D.dtype), None if z is None else dz.to(z.dtype),
             None if dt_bias is None else dbias.to(dt_bias.dtype),
             None if initial_state is None else dinit.to(initial_state.dtype))
 
 
+@dataclass
+class PairChain:
+    """The pair chain of the backward, queued on a side stream (``codegen/streams.py``): the pair
+    weights, their row and column sums, dC and the state path's es; valid after ``branch.join()``."""
+
+    branch: Branch
+    dcb: Tensor
+    pairs: tuple
+    dC: Tensor
+    es: Tensor
+
+
+def start_pair_chain(pr: Prepared, saved: SSDSaved, dyv: Tensor, c_dtype: torch.dtype) -> PairChain:
+    """Queue dcb and dC (they need neither dS nor dx) on the side stream; ``saved`` must hold C B^T."""
+    branch = Branch(dyv.device)
+    with branch.run():
+        dcb, *pairs = run_dcb(pr, dyv, saved)
+        dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb, c_dtype)
+    return PairChain(branch, dcb, tuple(pairs), dC, es)
+
+
 def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Tensor, dtot: Tensor,
-                           bc_dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Optional[Tensor], ...]:
+                           bc_dtypes: tuple[torch.dtype, torch.dtype],
+                           pairs: Optional[PairChain] = None) -> tuple[Optional[Tensor], ...]:
     """The launches after the reverse state passing, given the gated dy, the gradient of the state
     leaving each chunk and the chunks' total-decay gradient parts: (dx, ddt, dA, dB, dC, dD,
     ddt_bias), dx in x's dtype, ddt in dt's, dB and dC in ``bc_dtypes`` (B's and C's), the others
     fp32, None where the region has no D / dt_bias.
-    A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``."""
+    A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``;
+    ``pairs`` is the pair chain when the caller started it earlier (else it starts here, beside dx)."""
     d = pr.dims
     saved = with_cb(pr, saved)
+    if pairs is None:
+        pairs = start_pair_chain(pr, saved, dyv, bc_dtypes[1])
     dx, ddtd, dd = run_dx(pr, dyv, saved, dsout)
-    dcb, *pairs = run_dcb(pr, dyv, saved)
-    dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb, bc_dtypes[1])
-    dB, v = run_dbc(pr, "b", dyv, saved, dsout, dcb, bc_dtypes[0])
-    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, es, v, tuple(pairs), dtot)
+    pairs.branch.join()
+    dB, v = run_dbc(pr, "b", dyv, saved, dsout, pairs.dcb, bc_dtypes[0])
+    ddt, da, dbias = run_dt_backward(pr, saved, ddtd, pairs.es, v, pairs.pairs, dtot)
     dA = da.view(d.b, d.h, d.nc).sum((0, 2))
     dD = None if pr.D is None else dd.sum((0, 1, 2))
     dbias = None if dbias is None else dbias.view(d.b, d.h, d.nc).sum((0, 2))
-    return dx, ddt, dA, dB, dC, dD, dbias
+    return dx, ddt, dA, dB, pairs.dC, dD, dbias
 
 
 class _SSDFunction(torch.autograd.Function):

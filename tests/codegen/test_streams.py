@@ -1,0 +1,23 @@
+"""codegen/streams.py off the GPU: a branch runs in place, in order, and joining it does nothing."""
+from __future__ import annotations
+
+import torch
+
+from mambac.codegen import streams
+
+
+def test_cpu_branch_runs_in_place():
+    order = []
+    branch = streams.Branch(torch.device("cpu"))
+    assert branch.side is None
+    with branch.run():
+        order.append("branch")
+    order.append("main")
+    branch.join()
+    assert order == ["branch", "main"]
+
+
+def test_no_side_stream_when_concurrency_is_off(monkeypatch):
+    monkeypatch.setattr(streams, "CONCURRENT", False)
+    assert streams.side_stream(torch.device("cuda", 0)) is None   # decided before touching CUDA
+    assert streams.side_stream(torch.device("cpu")) is None
