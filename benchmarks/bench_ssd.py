@@ -24,7 +24,8 @@ Commands (default: check time parts):
               (``codegen/direct_launch.py``), and a cProfile of the direct one's top functions
   streams     fwd+bwd (replayed from a CUDA graph, and launched from Python) with the backward's pair
               chain on a second stream and on the current one, alternated, at S1 and S2; the tiles
-              are PINNED (autotune's choices of the sixth session's runs), so nothing is timed twice
+              are PINNED (autotune's choices of the sixth session's runs), so nothing is timed twice.
+              With "check" before it, the checks also run with the second stream
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
 Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
@@ -435,7 +436,7 @@ def time_streams(cg, tag: str, shape: dict) -> None:
     except Exception as exc:
         rec(f"{tag} streams", f"failed: {exc!r}"[:200])
     finally:
-        st.CONCURRENT = True
+        st.CONCURRENT = None
         at.choose = choose
         importlib.import_module("mambac.codegen.ssd_launch")._PLANS.clear()
 
@@ -487,6 +488,9 @@ def main(argv: list[str]) -> None:
     if "variants" in what:
         time_variants("S1", S1)
         time_variants("S2", S2)
+    streams = importlib.import_module("mambac.codegen.streams")
+    if "streams" in what:  # the checks then cover the two-stream backward
+        streams.CONCURRENT = True
     for which in CHECKS:
         if which in what:
             run_checks(cg, which)

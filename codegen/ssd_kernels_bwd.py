@@ -6,7 +6,7 @@
     [chunk_state, state_pass]   only when the forward's intermediates were not kept
     chunk_cb_both               C B^T and B C^T per chunk and group (autograd does not keep them)
     gate_backward               with z: recomputes y; gives dz and the gated dy
-    then two chains side by side (on CUDA the pair chain runs on a second stream, streams.py):
+    then two independent chains (on CUDA under MAMBAC_SSD_STREAMS=1, the pair chain on its own stream):
       state chain:
         chunk_dstate            per chunk: sum_t exp(cs_t) dy_t C_t^T
         state_pass_bwd          reverse passing: dS per chunk, d initial state, d(total decay)
@@ -225,8 +225,9 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
 
 @dataclass
 class PairChain:
-    """The pair chain of the backward, queued on a side stream (``codegen/streams.py``): the pair
-    weights, their row and column sums, dC and the state path's es; valid after ``branch.join()``."""
+    """The pair chain of the backward, queued on the side stream (``codegen/streams.py``; in place
+    unless the two-stream form is on): the pair weights, their row and column sums, dC and the state
+    path's es; valid after ``branch.join()``."""
 
     branch: Branch
     dcb: Tensor
@@ -236,7 +237,8 @@ class PairChain:
 
 
 def start_pair_chain(pr: Prepared, saved: SSDSaved, dyv: Tensor, c_dtype: torch.dtype) -> PairChain:
-    """Queue dcb and dC (they need neither dS nor dx) on the side stream; ``saved`` must hold C B^T."""
+    """Queue dcb and dC (they need neither dS nor dx) on the side stream, if any; ``saved`` must
+    hold C B^T."""
     branch = Branch(dyv.device)
     with branch.run():
         dcb, *pairs = run_dcb(pr, dyv, saved)

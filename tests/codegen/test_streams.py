@@ -21,3 +21,15 @@ def test_no_side_stream_when_concurrency_is_off(monkeypatch):
     monkeypatch.setattr(streams, "CONCURRENT", False)
     assert streams.side_stream(torch.device("cuda", 0)) is None   # decided before touching CUDA
     assert streams.side_stream(torch.device("cpu")) is None
+
+
+def test_off_by_default_and_the_knob_turns_it_on(monkeypatch):
+    from mambac import knobs
+    monkeypatch.setattr(streams, "CONCURRENT", None)
+    assert streams.side_stream(torch.device("cuda", 0)) is None   # the knob's default: off
+    monkeypatch.setattr(streams, "_SIDE", {0: "the side stream"})
+    with knobs.override(ssd_streams=True):
+        assert streams.side_stream(torch.device("cuda", 0)) == "the side stream"
+    monkeypatch.setattr(streams, "CONCURRENT", False)
+    with knobs.override(ssd_streams=True):
+        assert streams.side_stream(torch.device("cuda", 0)) is None  # the module flag wins
