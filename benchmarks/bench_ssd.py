@@ -22,10 +22,11 @@ Commands (default: check time parts):
   host        the host's cost of the ungraphed S1 fwd+bwd: wall time per call with the calls queued
               back to back, through Triton's launch path and through direct launches
               (``codegen/direct_launch.py``), and a cProfile of the direct one's top functions
-  streams     fwd+bwd (replayed from a CUDA graph, and launched from Python) with the backward's pair
-              chain on a second stream and on the current one, alternated, at S1 and S2; the tiles
-              are PINNED (autotune's choices of the sixth session's runs), so nothing is timed twice.
-              With "check" before it, the checks also run with the second stream
+  streams     fwd, and fwd+bwd (replayed from a CUDA graph, and launched from Python) with the
+              independent launches on a second stream (codegen/streams.py) and on one,
+              alternated, at S1 and S2; the tiles are PINNED (autotune's choices of the sixth
+              session's runs), so nothing is timed twice.  With "check" before it, the checks
+              also run with the second stream
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
 Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
@@ -431,6 +432,9 @@ def time_streams(cg, tag: str, shape: dict) -> None:
         for conc in (False, True) * 2:
             st.CONCURRENT = conc
             fb()
+            with torch.no_grad():
+                rec(f"{tag} streams concurrent={conc} fwd us", round(bench_ms(
+                    lambda: cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)) * 1e3, 1))
             rec(f"{tag} streams concurrent={conc} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
             rec(f"{tag} streams concurrent={conc} fwd+bwd us", round(bench_ms(fb) * 1e3, 1))
     except Exception as exc:

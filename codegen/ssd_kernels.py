@@ -18,6 +18,7 @@ from torch import Tensor
 from mambac.codegen import render_fused, render_fwd
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
+from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_state_candidates,
                                        fused_candidates, fused_fits, head_block_candidates, run_family,
                                        state_pass_candidates)
@@ -242,11 +243,14 @@ def forward_prepared(pr: Prepared, save: bool = True,
     if path == "fused" and not fused_fits(pr.dims):
         raise ValueError(f"the fused forward holds a (headdim x dstate) state per program, at most "
                          f"64 x 128; got {pr.dims.p} x {pr.dims.n}: use path='three'")
-    cb = run_chunk_cb(pr)
     if path == "fused":
-        return run_fused_forward(pr, cb, save)
+        return run_fused_forward(pr, run_chunk_cb(pr), save)
+    branch = Branch(pr.x.device)   # C B^T beside the chunk states and their passing (streams.py)
+    with branch.run():
+        cb = run_chunk_cb(pr)
     states, dtp, cs = run_chunk_state(pr)
     sin, final = run_state_pass(pr, states, cs)
+    branch.join()
     y = run_chunk_scan(pr, dtp, cs, sin, cb)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
 

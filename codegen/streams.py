@@ -3,7 +3,8 @@
 The SSD backward has two chains that meet only at its end: the state chain (dstate, the reverse
 state passing, dx) and the pair chain (the pair weights dcb, then dC).  Its kernels are
 latency-bound at a few programs per SM, so running the two chains side by side fills the SMs with
-programs of both.  ``Branch`` runs work on a per-device side stream after everything the current
+programs of both.  The forward likewise forms C B^T beside the chunk states and their passing
+(the sequential passing leaves most SMs idle).  ``Branch`` runs work on a per-device side stream after everything the current
 stream has queued, and ``join`` makes the current stream wait for it.  Tensors the branch
 allocates come from the side stream's pool; since every later branch starts after the current
 stream's queued work, a block freed after the join is not reused while a kernel still reads it.
