@@ -309,11 +309,9 @@ def time_parts(cg, shape: dict) -> None:
             traceback.print_exc()
 
 
-# TileConfig fields of tiles to try beside the candidate lists (benchmarks/NOTES_ssd.md, v8): dC and
-# dB at 8 warps (ptxas: 100 bytes of spills there against 750-1,540 at 4 warps), 64 x 64 and 64 x 32
-_DBC_8 = tuple(dict(block_m=64, block_k=bk, splits=s, num_warps=8, num_stages=2)
-               for bk, s in ((64, 2), (64, 4), (32, 4)))
-VARIANTS = {"DC": _DBC_8, "DB": _DBC_8}
+# TileConfig fields of tiles to try beside the candidate lists, by family (benchmarks/NOTES_ssd.md):
+# none pending; the last ones, dC / dB at 8 warps (v8), were slower than the candidates
+VARIANTS: dict = {}
 
 
 def time_variants(tag: str, shape: dict, timer=None) -> None:

@@ -33,8 +33,8 @@ from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, dense_out, dt_extra_args, forward_prepared,
                                         prepare, run_chunk_state, run_state_pass, scan_args, strides3,
                                         with_cb)
-from mambac.codegen.ssd_launch import (Family, cdiv, dcb_candidates, dstate_candidates, dx_candidates,
-                                       group_candidates, head_block_candidates, pow2, run_family, single_candidate,
+from mambac.codegen.ssd_launch import (Family, cdiv, dcb_candidates, dstate_candidates, dt_backward_candidates,
+                                       dx_candidates, group_candidates, head_block_candidates, pow2, run_family,
                                        state_pass_candidates)
 
 DSTATE = Family("ssd_chunk_dstate", lambda r, c: render_fwd.render_chunk_state(r, "dstate"),
@@ -48,7 +48,9 @@ DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), dx_ca
 DCB = Family(render_bwd_pairs.NAME, lambda r, c: render_bwd_pairs.render_dcb(r, c.heads), dcb_candidates)
 DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c"), group_candidates)
 DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b"), group_candidates)
-DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r), single_candidate)
+DT_BWD = Family("ssd_dt_backward", lambda r, c: (render_bwd.render_dt_backward(r) if c.heads == 1 else
+                                                 render_bwd.render_dt_backward_heads(r, c.heads)),
+                dt_backward_candidates)
 
 
 def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Tensor, Tensor]:
@@ -181,8 +183,8 @@ def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, es: Tensor, v: 
     def launch(kern, cfg: TileConfig) -> None:
         args = [pr.dt, pr.A] + dt_extra_args(pr) + [saved.dtp, ddtd, es, v, mrow, mcol, dtot, ddt, da]
         args += ([dbias] if dbias is not None else []) + [d.l, d.h, d.nc] + strides3(pr.dt)
-        kern.launch((d.nc, d.b * d.h), args + [nt, tile, ndt],
-                    dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg)
+        grid = (d.nc, d.b * (d.h if cfg.heads == 1 else cdiv(d.h, cfg.heads)))
+        kern.launch(grid, args + [nt, tile, ndt], dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg)
 
     run_family(DT_BWD, r, d, launch)
     return ddt.to(pr.dt.dtype), da, dbias

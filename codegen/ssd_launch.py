@@ -215,5 +215,11 @@ def dcb_candidates(d: Dims) -> list[TileConfig]:
             for s, u in tiles if (d.hpg // s) % u == 0]
 
 
-def single_candidate(d: Dims) -> list[TileConfig]:
-    return [TileConfig(num_warps=1 if autotune.interpreting() else 4)]
+def dt_backward_candidates(d: Dims) -> list[TileConfig]:
+    """``ssd_dt_backward``: one head per program, or blocks of ``heads`` heads as (positions x
+    heads) tiles, which read dt and write ddt along their contiguous heads axis (not yet timed
+    on a GPU: autotune decides).  At 8 warps (sm_90 ptxas, chunk 256): 4 heads 48 registers,
+    8 heads 170, 16 heads 247; at 4 warps 4 heads take 103, 8 heads 249 and 16 heads spill."""
+    if autotune.interpreting():
+        return [TileConfig(num_warps=1)]
+    return [TileConfig(num_warps=4)] + [TileConfig(heads=hb, num_warps=8) for hb in (4, 8, 16) if hb <= pow2(d.h)]

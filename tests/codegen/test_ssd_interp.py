@@ -144,3 +144,33 @@ def test_forward_path_errors():
     big = fk.prepare(*make_inputs(2, 1, 8, 1, 128, 128, 1), 8, True, 0.0, math.inf)
     with pytest.raises(ValueError, match="use path='three'"):
         fk.forward_prepared(big, path="fused")
+
+
+@pytest.mark.parametrize("softplus,limit,flags,dtype", [
+    (True, (0.05, 2.0), dict(D="head", bias=True, init=True), torch.float32),
+    (False, NOLIM, dict(bias=True), torch.float32),
+    (True, NOLIM, dict(D="head", z=True, bias=True), torch.bfloat16),
+], ids=["softplus-clamp-bias", "plain-bias", "bf16-z"])
+def test_dt_backward_head_blocks_match_referee(monkeypatch, softplus, limit, flags, dtype):
+    """The (positions x heads) form of ssd_dt_backward, with a head block that runs past the last
+    head (6 heads in blocks of 4), agrees with the referee and with the one-head form."""
+    import dataclasses
+    from mambac.codegen import ssd_kernels_bwd as bk, ssd_launch
+    from mambac.codegen.kernel_ir import TileConfig
+    args = make_inputs(11, 2, 45, 6, 4, 8, 2, softplus=softplus, dtype=dtype, **flags)
+    q = 32  # two pair tiles per chunk (16 under the interpreter), and a partial last chunk
+    y, final, saved = ssd_forward(*args, chunk_size=q, dt_softplus=softplus, dt_min=limit[0],
+                                  dt_max=limit[1], return_saved=True)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    one = ssd_backward(gy, None, *args, q, softplus, *limit, saved=saved)
+    monkeypatch.setattr(bk, "DT_BWD", dataclasses.replace(
+        bk.DT_BWD, candidates=lambda d: [TileConfig(heads=4, num_warps=1)]))
+    ssd_launch._PLANS.clear()
+    try:
+        blocks = ssd_backward(gy, None, *args, q, softplus, *limit, saved=saved)
+        check(args, q, softplus, limit)
+    finally:
+        ssd_launch._PLANS.clear()
+    for name, a, b in zip(NAMES, one, blocks):
+        if a is not None:
+            assert rel_err(b, a) <= (1e-6 if dtype == torch.float32 else 1e-2), name
