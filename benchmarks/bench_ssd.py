@@ -355,6 +355,24 @@ def time_variants(tag: str, shape: dict, timer=None) -> None:
             sl._PLANS.clear()
 
 
+def ssd_calls(cg, shape: dict):
+    """The anchors' recipe at one shape (every input requiring grad) as two closures: the forward
+    (returns y) and forward + backward."""
+    s = dict(shape)
+    q = s.pop("q")
+    ins = inputs(**s)
+    x, dt, A, B, C, D, dtb = (ins[k].requires_grad_(True) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    dy = torch.randn_like(x)
+
+    def fwd():
+        return cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)[0]
+
+    def fb():
+        fwd().backward(dy)
+
+    return fwd, fb
+
+
 def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
     """Host cost of the ungraphed fwd+bwd, Triton's launch path against direct launches."""
     import cProfile
@@ -362,14 +380,7 @@ def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
     import pstats
     import time
     cc = importlib.import_module("mambac.codegen.compile")
-    s = dict(shape)
-    q = s.pop("q")
-    ins = inputs(**s)
-    x, dt, A, B, C, D, dtb = (ins[k].requires_grad_(True) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
-    dy = torch.randn_like(x)
-
-    def fb():
-        cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)[0].backward(dy)
+    fwd, fb = ssd_calls(cg, shape)
 
     try:
         for direct in (False, True) * 3:
@@ -416,14 +427,7 @@ def time_streams(cg, tag: str, shape: dict) -> None:
         want = PINNED.get(family.split("-")[0])
         return next((c for c in cands if want is not None and c == TileConfig(**want)), cands[0])
 
-    s = dict(shape)
-    q = s.pop("q")
-    ins = inputs(**s)
-    x, dt, A, B, C, D, dtb = (ins[k].requires_grad_(True) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
-    dy = torch.randn_like(x)
-
-    def fb():
-        cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)[0].backward(dy)
+    fwd, fb = ssd_calls(cg, shape)
 
     at.choose = pinned
     try:
@@ -431,8 +435,7 @@ def time_streams(cg, tag: str, shape: dict) -> None:
             st.CONCURRENT = conc
             fb()
             with torch.no_grad():
-                rec(f"{tag} streams concurrent={conc} fwd us", round(bench_ms(
-                    lambda: cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)) * 1e3, 1))
+                rec(f"{tag} streams concurrent={conc} fwd us", round(bench_ms(fwd) * 1e3, 1))
             rec(f"{tag} streams concurrent={conc} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
             rec(f"{tag} streams concurrent={conc} fwd+bwd us", round(bench_ms(fb) * 1e3, 1))
     except Exception as exc:

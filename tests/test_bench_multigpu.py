@@ -6,22 +6,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_correctness_table_on_two_ranks():
-    r = subprocess.run([sys.executable, "-m", "mambac.cli", "run", "-n", "2", "--timeout", "240",
+def correctness_rows(ranks: int, timeout: int) -> list[str]:
+    """The table rows of ``bench_multigpu.py correctness --tiny`` on ``ranks`` gloo ranks."""
+    r = subprocess.run([sys.executable, "-m", "mambac.cli", "run", "-n", str(ranks), "--timeout", str(timeout),
                         "benchmarks/bench_multigpu.py", "correctness", "--tiny"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=timeout + 60)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| mamba")]
-    assert len(rows) == 8 and all(ln.endswith("| yes |") for ln in rows), r.stdout
+    assert all(ln.endswith("| yes |") for ln in rows), r.stdout
+    return rows
+
+
+def test_correctness_table_on_two_ranks():
+    rows = correctness_rows(2, 240)
+    assert len(rows) == 8
     assert {ln.split("|")[2].strip() for ln in rows} == {"tp", "tp+sp", "cp", "dp x tp"}
 
 
 def test_correctness_table_on_four_ranks():
     """Four ranks add the two-dimensional meshes: tp x cp (2 x 2) and dp x tp (2 x 2)."""
-    r = subprocess.run([sys.executable, "-m", "mambac.cli", "run", "-n", "4", "--timeout", "300",
-                        "benchmarks/bench_multigpu.py", "correctness", "--tiny"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=360)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| mamba")]
-    assert len(rows) == 10 and all(ln.endswith("| yes |") for ln in rows), r.stdout
+    rows = correctness_rows(4, 300)
+    assert len(rows) == 10
     assert {ln.split("|")[2].strip() for ln in rows} == {"tp", "tp+sp", "cp", "tp x cp", "dp x tp"}
