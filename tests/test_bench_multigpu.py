@@ -28,3 +28,14 @@ def test_correctness_table_on_four_ranks():
     rows = correctness_rows(4, 300)
     assert len(rows) == 10
     assert {ln.split("|")[2].strip() for ln in rows} == {"tp", "tp+sp", "cp", "tp x cp", "dp x tp"}
+
+
+def test_scaling_longctx_and_overlap_modes_run():
+    """The measuring modes run end to end on two gloo ranks and print their one-row tables."""
+    for mode, head in ((["scaling"], "| tiny Mamba-2 | 2 |"), (["longctx"], "| tiny Mamba-2 | 2 | 256 |"),
+                       (["overlap", "--layout", "cp"], "| cp | 2 |")):
+        r = subprocess.run([sys.executable, "-m", "mambac.cli", "run", "-n", "2", "--timeout", "200",
+                            "benchmarks/bench_multigpu.py", *mode, "--tiny", "--steps", "2"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=260)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert any(ln.startswith(head) for ln in r.stdout.splitlines()), r.stdout
