@@ -221,17 +221,22 @@ def warm(cg, slices: int, index: int) -> None:
             at._CHOSEN.clear()
 
 
-def time_case(cg, mamba, tag: str, shape: dict, fwd_only_timing: bool = False,
-              timed: bool = True) -> None:
+def anchor_call(shape: dict) -> tuple[tuple, dict]:
+    """The anchors' recipe at one shape, every input requiring grad, as the positional and keyword
+    arguments that both ``ssd_triton`` and mamba_ssm's ``mamba_chunk_scan_combined`` take."""
     s = dict(shape)
     q = s.pop("q")
     ins = inputs(**s)
-    x, dt, A, B, C, D, dtb = (ins[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
-    leaves = [t.requires_grad_(True) for t in (x, dt, A, B, C, D, dtb)]
-    ours = lambda: cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)[0]
-    impls = [("mambac", ours)]
+    x, dt, A, B, C, D, dtb = (ins[k].requires_grad_(True) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    return (x, dt, A, B, C, q), dict(D=D, dt_bias=dtb, dt_softplus=True)
+
+
+def time_case(cg, mamba, tag: str, shape: dict, fwd_only_timing: bool = False,
+              timed: bool = True) -> None:
+    args, kw = anchor_call(shape)
+    impls = [("mambac", lambda: cg.ssd_triton(*args, **kw)[0])]
     if mamba is not None:
-        impls.append(("mamba_ssm", lambda: mamba(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)))
+        impls.append(("mamba_ssm", lambda: mamba(*args, **kw)))
     for name, f in impls:
         try:
             dy = torch.randn_like(f())
@@ -255,7 +260,7 @@ def time_case(cg, mamba, tag: str, shape: dict, fwd_only_timing: bool = False,
             rec(f"{tag} {name} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
         except Exception as exc:
             rec(f"{tag} {name} fwd+bwd graphed us", f"not captured: {exc!r}"[:120])
-    del leaves
+    args = kw = None  # free the inputs before emptying the cache
     torch.cuda.empty_cache()
 
 
@@ -356,16 +361,13 @@ def time_variants(tag: str, shape: dict, timer=None) -> None:
 
 
 def ssd_calls(cg, shape: dict):
-    """The anchors' recipe at one shape (every input requiring grad) as two closures: the forward
-    (returns y) and forward + backward."""
-    s = dict(shape)
-    q = s.pop("q")
-    ins = inputs(**s)
-    x, dt, A, B, C, D, dtb = (ins[k].requires_grad_(True) for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
-    dy = torch.randn_like(x)
+    """mambac's SSD on the anchors' recipe at one shape as two closures: the forward (returns y)
+    and forward + backward."""
+    args, kw = anchor_call(shape)
+    dy = torch.randn_like(args[0])
 
     def fwd():
-        return cg.ssd_triton(x, dt, A, B, C, q, D=D, dt_bias=dtb, dt_softplus=True)[0]
+        return cg.ssd_triton(*args, **kw)[0]
 
     def fb():
         fwd().backward(dy)
@@ -379,12 +381,10 @@ def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
     import io
     import pstats
     import time
-    cc = importlib.import_module("mambac.codegen.compile")
+    knobs = importlib.import_module("mambac.knobs")
     fwd, fb = ssd_calls(cg, shape)
-
-    try:
-        for direct in (False, True) * 3:
-            cc.DIRECT = direct
+    for direct in (False, True) * 3:
+        with knobs.override(direct_launch=direct):
             fb()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -396,18 +396,16 @@ def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
             rec(f"{tag} host direct={direct} fwd+bwd us (host, wall per call)",
                 (round((t1 - t0) / calls * 1e6, 1), round((t2 - t0) / calls * 1e6, 1)))
             rec(f"{tag} host direct={direct} fwd+bwd do_bench us", round(bench_ms(fb) * 1e3, 1))
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(calls):
-            fb()
-        prof.disable()
-        torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
-        print(f"cProfile of {calls} direct fwd+bwd calls (times are totals over the calls):")
-        print("\n".join(ln for ln in out.getvalue().splitlines() if ln.strip())[:6000], flush=True)
-    finally:
-        cc.DIRECT = True
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fb()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+    print(f"cProfile of {calls} direct fwd+bwd calls (times are totals over the calls):")
+    print("\n".join(ln for ln in out.getvalue().splitlines() if ln.strip())[:6000], flush=True)
 
 
 # autotune's choices at S1 in the sixth session's runs where they differ from the first candidate
@@ -418,7 +416,7 @@ PINNED = {"ssd_dcb": dict(block_m=64, block_k=64, heads=2, splits=4, num_warps=4
 
 def time_streams(cg, tag: str, shape: dict) -> None:
     """The backward's pair chain beside its state chain (codegen/streams.py) or after it."""
-    st = importlib.import_module("mambac.codegen.streams")
+    knobs = importlib.import_module("mambac.knobs")
     at = importlib.import_module("mambac.codegen.autotune")
     TileConfig = importlib.import_module("mambac.codegen.kernel_ir").TileConfig
     choose = at.choose
@@ -432,16 +430,15 @@ def time_streams(cg, tag: str, shape: dict) -> None:
     at.choose = pinned
     try:
         for conc in (False, True) * 2:
-            st.CONCURRENT = conc
-            fb()
-            with torch.no_grad():
-                rec(f"{tag} streams concurrent={conc} fwd us", round(bench_ms(fwd) * 1e3, 1))
-            rec(f"{tag} streams concurrent={conc} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
-            rec(f"{tag} streams concurrent={conc} fwd+bwd us", round(bench_ms(fb) * 1e3, 1))
+            with knobs.override(ssd_streams=conc):
+                fb()
+                with torch.no_grad():
+                    rec(f"{tag} streams concurrent={conc} fwd us", round(bench_ms(fwd) * 1e3, 1))
+                rec(f"{tag} streams concurrent={conc} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
+                rec(f"{tag} streams concurrent={conc} fwd+bwd us", round(bench_ms(fb) * 1e3, 1))
     except Exception as exc:
         rec(f"{tag} streams", f"failed: {exc!r}"[:200])
     finally:
-        st.CONCURRENT = None
         at.choose = choose
         importlib.import_module("mambac.codegen.ssd_launch")._PLANS.clear()
 
@@ -493,12 +490,11 @@ def main(argv: list[str]) -> None:
     if "variants" in what:
         time_variants("S1", S1)
         time_variants("S2", S2)
-    streams = importlib.import_module("mambac.codegen.streams")
-    if "streams" in what:  # the checks then cover the two-stream backward
-        streams.CONCURRENT = True
-    for which in CHECKS:
-        if which in what:
-            run_checks(cg, which)
+    knobs = importlib.import_module("mambac.knobs")
+    with knobs.override(ssd_streams="streams" in what):  # the checks then cover the two-stream form
+        for which in CHECKS:
+            if which in what:
+                run_checks(cg, which)
     if "streams" in what:
         time_streams(cg, "S1", S1)
         time_streams(cg, "S2", S2)

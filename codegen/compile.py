@@ -28,10 +28,6 @@ from mambac.codegen.autotune import interpreting
 from mambac.codegen.direct_launch import DirectLaunches
 from mambac.codegen.kernel_ir import TileConfig
 
-# later launches of a kernel skip Triton's per-call dispatch (``direct_launch``); False sends every
-# launch through ``kernel[grid](...)`` (benchmarks compare the two)
-DIRECT = True
-
 STAGES = ("render", "write", "import", "autotune")
 
 
@@ -68,7 +64,7 @@ class CompiledKernel:
         ``CodegenError``."""
         options = cfg.launch_options()
         try:
-            if self.direct is None or not DIRECT or not knobs().direct_launch:
+            if self.direct is None or not knobs().direct_launch:
                 self.fn[grid](*args, **constexprs, **options)
             else:
                 self.direct.launch(grid, args, constexprs, options,

@@ -6,11 +6,12 @@ times per training step with arguments of the same kinds, so after the first lau
 Triton, ``DirectLaunches`` keeps the compiled kernel under a key at least as fine as what Triton
 specialises on (dtype and 16-byte alignment of each tensor, each scalar's value, the constexprs,
 the launch options and the device) and later launches with the same key call its launcher
-directly.  Any argument of another kind, a launch hook installed in
-Triton (profilers), or the interpreter sends the call through Triton's path instead.
+directly.  Any argument of another kind, a launch hook installed in Triton (profilers), the
+interpreter or ``MAMBAC_DIRECT_LAUNCH=0`` sends the call through Triton's path instead.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -40,17 +41,18 @@ def _active(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-_RUNTIME: list = []  # triton.knobs.runtime, once imported (None for a Triton without knobs)
+@functools.lru_cache(maxsize=1)
+def _triton_runtime() -> Any:
+    """``triton.knobs.runtime``, or None for a Triton without knobs."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs.runtime
 
 
 def _hooks_installed() -> bool:
-    if not _RUNTIME:
-        try:
-            from triton import knobs
-            _RUNTIME.append(knobs.runtime)
-        except ImportError:
-            _RUNTIME.append(None)
-    rt = _RUNTIME[0]
+    rt = _triton_runtime()
     if rt is None:  # a Triton without knobs: always take its own path
         return True
     return _active(getattr(rt, "launch_enter_hook", None)) or _active(getattr(rt, "launch_exit_hook", None))

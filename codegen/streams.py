@@ -8,12 +8,12 @@ programs of both.  The forward likewise forms C B^T beside the chunk states and 
 stream has queued, and ``join`` makes the current stream wait for it.  Tensors the branch
 allocates come from the side stream's pool; since every later branch starts after the current
 stream's queued work, a block freed after the join is not reused while a kernel still reads it.
-Under CUDA graph capture the fork and join become edges of the graph.  On the CPU (and with
-``CONCURRENT`` False) the branch runs in place, in order.
+Under CUDA graph capture the fork and join become edges of the graph.  On the CPU (and with the
+knob off) the branch runs in place, in order.
 
 The two-stream form is off by default: it has not run on a GPU yet (no device time was left when
-it was written).  ``MAMBAC_SSD_STREAMS=1`` turns it on (``CONCURRENT`` True or False overrides
-the knob); ``benchmarks/bench_ssd.py check streams`` checks and times it against the one-stream
+it was written).  ``MAMBAC_SSD_STREAMS=1`` (or ``knobs.override(ssd_streams=True)``) turns it
+on; ``benchmarks/bench_ssd.py check streams`` checks and times it against the one-stream
 form (benchmarks/NOTES_ssd.md, v8).
 """
 from __future__ import annotations
@@ -25,13 +25,12 @@ import torch
 
 from mambac.knobs import knobs
 
-CONCURRENT: Optional[bool] = None  # None: the MAMBAC_SSD_STREAMS knob (off by default; see above)
 _SIDE: dict[int, "torch.cuda.Stream"] = {}
 
 
 def side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     """The side stream of a CUDA device (made once), or None when branches run in place."""
-    if device.type != "cuda" or not (knobs().ssd_streams if CONCURRENT is None else CONCURRENT):
+    if device.type != "cuda" or not knobs().ssd_streams:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _SIDE.get(index)

@@ -17,19 +17,12 @@ def test_cpu_branch_runs_in_place():
     assert order == ["branch", "main"]
 
 
-def test_no_side_stream_when_concurrency_is_off(monkeypatch):
-    monkeypatch.setattr(streams, "CONCURRENT", False)
-    assert streams.side_stream(torch.device("cuda", 0)) is None   # decided before touching CUDA
-    assert streams.side_stream(torch.device("cpu")) is None
-
-
 def test_off_by_default_and_the_knob_turns_it_on(monkeypatch):
     from mambac import knobs
-    monkeypatch.setattr(streams, "CONCURRENT", None)
-    assert streams.side_stream(torch.device("cuda", 0)) is None   # the knob's default: off
+    with knobs.override(ssd_streams=False):
+        assert streams.side_stream(torch.device("cuda", 0)) is None   # decided before touching CUDA
     monkeypatch.setattr(streams, "_SIDE", {0: "the side stream"})
     with knobs.override(ssd_streams=True):
         assert streams.side_stream(torch.device("cuda", 0)) == "the side stream"
-    monkeypatch.setattr(streams, "CONCURRENT", False)
-    with knobs.override(ssd_streams=True):
-        assert streams.side_stream(torch.device("cuda", 0)) is None  # the module flag wins
+        assert streams.side_stream(torch.device("cpu")) is None
+    assert not knobs.Knobs().ssd_streams   # off unless asked for
