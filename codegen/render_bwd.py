@@ -3,8 +3,7 @@
 * ``ssd_state_pass_bwd`` per (state tile, batch*head), chunks in reverse: the gradient of the
   state leaving each chunk, the initial-state gradient, and each chunk's total-decay gradient
   exp(tot) * <S_in, dS_out> as per-tile partial sums.
-* ``ssd_dt_backward`` per (chunk, batch*head), or per (chunk, batch, head block) as (positions x
-  heads) tiles: adds the chunk-end terms to the cumsum gradient, reverse-cumsums it into
+* ``ssd_dt_backward`` per (chunk, batch, head block), as (positions x heads) tiles: adds the chunk-end terms to the cumsum gradient, reverse-cumsums it into
   d(dt*A), and runs the dt prologue backward (clamp, softplus, bias).
 
 Notation (per head, inside one chunk): cs_t = sum_{j<=t} dt'_j A.  The cumsum gradient is
@@ -17,7 +16,7 @@ and the chunk's last position also receives sum_s v_s and the passing term from 
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import dt_args, emit_softplus, header, load_bias, to_io
+from mambac.codegen.render_common import dt_args, emit_softplus, header, to_io
 from mambac.codegen.writer import Writer
 
 
@@ -47,49 +46,11 @@ def render_state_pass_bwd(r: SSDRegion) -> str:
     return w.source()
 
 
-def render_dt_backward(r: SSDRegion) -> str:
-    """Cumsum gradient -> d(dt*A) -> ddt (through clamp, softplus, bias); dA and dbias parts."""
-    q = r.chunk_size
-    w = Writer()
-    header(w, "ssd_dt_backward", r, "dt backward: reverse cumsum and the prologue's backward.")
-    if r.dt_softplus and r.dt_clamp:
-        emit_softplus(w)
-    w.line("@triton.jit")
-    with w.block(f"def ssd_dt_backward({', '.join(_dt_backward_args(r))}):"):
-        w.lines("pid_c = tl.program_id(0)", "pid_bh = tl.program_id(1)", "bh64 = pid_bh.to(tl.int64)",
-                "bi64 = bh64 // H", "h = pid_bh % H", "t = tl.arange(0, QP)", f"mq = t < {q}",
-                f"pos = pid_c * {q} + t", "valid = mq & (pos < L)",
-                f"row = bh64 * (NC * {q}) + pid_c * {q}", "part = bh64 * NC + pid_c",
-                "k = tl.arange(0, KP)", "it = tl.arange(0, TP)", "own = (t // BT)[:, None]")
-        w.comment("pair sums (ssd_dcb, tiles of BT): slot k of a position holds partner tile k; row sums")
-        w.comment("exist for partner tiles up to the position's own tile, column sums from it on")
-        w.line("mr = tl.load(mrow_ptr + (row + t)[:, None] * NT + k[None, :], "
-               "mask=mq[:, None] & (k[None, :] <= own) & (k[None, :] < NT), other=0.0)")
-        w.line("mc = tl.load(mcol_ptr + (row + t)[:, None] * NT + k[None, :], "
-               "mask=mq[:, None] & (k[None, :] >= own) & (k[None, :] < NT), other=0.0)")
-        w.line("v = tl.load(v_ptr + row + t, mask=mq, other=0.0)")
-        w.line("dcs = tl.load(es_ptr + row + t, mask=mq, other=0.0) + tl.sum(mr, 1) - tl.sum(mc, 1) - v")
-        w.comment("chunk-end terms: the chunk-state path (v) and the state-passing path (tot)")
-        w.line("extra = tl.sum(v, 0) + tl.sum(tl.load(dtot_ptr + part * NDT + it, mask=it < NDT, "
-               "other=0.0), 0)")
-        w.line(f"dcs = dcs + tl.where(t == {q - 1}, extra, 0.0)")
-        w.line("dda = tl.cumsum(dcs, 0, reverse=True)")
-        w.lines("a = tl.load(a_ptr + h).to(tl.float32)",
-                "d = tl.load(dtp_ptr + row + t, mask=mq, other=0.0)",
-                "g = tl.load(ddtd_ptr + row + t, mask=mq, other=0.0) + a * dda",
-                "tl.store(da_ptr + part, tl.sum(dda * d, 0))")
-        _prologue_backward(w, r)
-        w.line("g = tl.where(valid, g, 0.0)")
-        w.line("tl.store(ddt_ptr + (bi64 * L + pos) * H + h, g, mask=valid)")
-        if r.has_dt_bias:
-            w.line("tl.store(dbias_ptr + part, tl.sum(g, 0))")
-    return w.source()
-
-
-def render_dt_backward_heads(r: SSDRegion, heads: int) -> str:
-    """``ssd_dt_backward`` for ``heads`` heads per program, as (positions x heads) tiles: dt and ddt,
-    laid out (batch, seq, heads), are then read and written along their contiguous heads axis
-    (one program per (chunk, batch, head block); the one-head form strides them by the heads)."""
+def render_dt_backward(r: SSDRegion, heads: int) -> str:
+    """Cumsum gradient -> d(dt*A) -> ddt (through clamp, softplus, bias), dA and dbias parts, for
+    ``heads`` heads per program as (positions x heads) tiles: dt and ddt, laid out (batch, seq,
+    heads), are read and written along their contiguous heads axis (one program per (chunk,
+    batch, head block); a block may run past the last head)."""
     q = r.chunk_size
     w = Writer()
     header(w, "ssd_dt_backward", r, f"dt backward for {heads} heads per program: reverse cumsum and "
@@ -130,7 +91,7 @@ def render_dt_backward_heads(r: SSDRegion, heads: int) -> str:
                 "g = tl.load(ddtd_ptr + at, mask=m2, other=0.0) + a[None, :] * dda",
                 "tl.store(da_ptr + part, tl.sum(dda * d, 0), mask=mh)")
         _prologue_backward(w, r, "pos[:, None] * sdl + hh[None, :] * sdh",
-                           "tl.load(bias_ptr + hh, mask=mh, other=0.0).to(tl.float32)[None, :]", batch=False)
+                           "tl.load(bias_ptr + hh, mask=mh, other=0.0).to(tl.float32)[None, :]")
         w.line("g = tl.where(valid, g, 0.0)")
         w.line("tl.store(ddt_ptr + pos[:, None] * H + hh[None, :], g, mask=valid)")
         if r.has_dt_bias:
@@ -146,21 +107,15 @@ def _dt_backward_args(r: SSDRegion) -> list[str]:
                    "QP: tl.constexpr", "KP: tl.constexpr", "TP: tl.constexpr"]
 
 
-def _prologue_backward(w: Writer, r: SSDRegion, dt_at: str = "pos * sdl + h * sdh",
-                       bias: str = "", batch: bool = True) -> None:
+def _prologue_backward(w: Writer, r: SSDRegion, dt_at: str, bias: str) -> None:
     """Chain rule back through clamp (torch's inclusive rule), softplus, bias: last step first.
-    ``dt_at`` offsets dt's elements after the batch (``batch`` False: dt_ptr is at the batch
-    already); ``bias``, when given, is the text that loads the bias already shaped to broadcast
-    against them (else one head's, ``load_bias``)."""
+    ``dt_at`` offsets dt's elements from dt_ptr (already at the batch); ``bias`` is the text that
+    loads the bias shaped to broadcast against them."""
     if not (r.dt_clamp or r.dt_softplus):
         return
-    at = ("bi64 * sdb + " if batch else "") + dt_at
-    w.line(f"v = tl.load(dt_ptr + {at}, mask=valid, other=0.0).to(tl.float32)")
+    w.line(f"v = tl.load(dt_ptr + {dt_at}, mask=valid, other=0.0).to(tl.float32)")
     if r.has_dt_bias:
-        if bias:
-            w.line(f"bias = {bias}")
-        else:
-            load_bias(w, r, "h")
+        w.line(f"bias = {bias}")
         w.line("v = v + bias")
     if r.dt_clamp:
         w.line("pre = " + ("_softplus(v)" if r.dt_softplus else "v"))

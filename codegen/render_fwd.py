@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from mambac.codegen import render_state_heads
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, dt_args, dt_call,
                                           emit_dims, emit_dt_helpers, emit_positions, header,
@@ -35,10 +36,16 @@ def chunk_state_name(mode: str) -> str:
     return "ssd_chunk_state" if mode == "forward" else "ssd_chunk_dstate"
 
 
-def render_chunk_state(r: SSDRegion, mode: str = "forward") -> str:
-    """Kernel 1 (forward) or the backward's per-chunk dstate reduction (mode "dstate")."""
+def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1) -> str:
+    """Kernel 1 (forward) or the backward's per-chunk dstate reduction (mode "dstate"); with
+    ``heads`` > 1 the forward's form that stacks several heads of a group per program
+    (``render_state_heads``)."""
     if mode not in CHUNK_STATE_MODES:
         raise ValueError(f"mode must be one of {CHUNK_STATE_MODES}")
+    if heads > 1:
+        if mode != "forward":
+            raise ValueError("only the forward's chunk states stack several heads per program")
+        return render_state_heads.render_chunk_state_heads(r, heads)
     fwd = mode == "forward"
     name, q = chunk_state_name(mode), r.chunk_size
     w = Writer()

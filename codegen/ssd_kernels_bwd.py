@@ -6,7 +6,7 @@
     [chunk_state, state_pass]   only when the forward's intermediates were not kept
     chunk_cb_both               C B^T and B C^T per chunk and group (autograd does not keep them)
     gate_backward               with z: recomputes y; gives dz and the gated dy
-    then two independent chains (on CUDA under MAMBAC_SSD_STREAMS=1, the pair chain on its own stream):
+    then two independent chains (on CUDA the pair chain on its own stream unless MAMBAC_SSD_STREAMS=0):
       state chain:
         chunk_dstate            per chunk: sum_t exp(cs_t) dy_t C_t^T
         state_pass_bwd          reverse passing: dS per chunk, d initial state, d(total decay)
@@ -48,8 +48,7 @@ DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), dx_ca
 DCB = Family(render_bwd_pairs.NAME, lambda r, c: render_bwd_pairs.render_dcb(r, c.heads), dcb_candidates)
 DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c"), group_candidates)
 DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b"), group_candidates)
-DT_BWD = Family("ssd_dt_backward", lambda r, c: (render_bwd.render_dt_backward(r) if c.heads == 1 else
-                                                 render_bwd.render_dt_backward_heads(r, c.heads)),
+DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r, c.heads),
                 dt_backward_candidates)
 
 

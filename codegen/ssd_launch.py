@@ -138,14 +138,27 @@ def dx_candidates(d: Dims) -> list[TileConfig]:
     return _head_tiles(d, _DX_TILES)
 
 
+def _stacked_heads(d: Dims, tiles: tuple) -> list[TileConfig]:
+    """Two heads of a group stacked per program (``render_state_heads``; the whole headdim in one
+    tile) at (block_k, num_warps, num_stages) ``tiles``, where the group's heads pair up and one
+    head's (headdim x dstate) state is at most 64 x 128 (registers)."""
+    if d.hpg % 2 or d.pp * d.np_ > 64 * 128:
+        return []
+    return [TileConfig(block_m=d.pp, block_k=bk, heads=2, num_warps=w, num_stages=st) for bk, w, st in tiles]
+
+
 def chunk_state_candidates(d: Dims) -> list[TileConfig]:
-    """Tiles of the per-chunk state reductions: block_m is the headdim tile, block_k the steps."""
+    """Tiles of the per-chunk state reductions: block_m is the headdim tile, block_k the steps,
+    ``heads`` how many heads of a group one program stacks."""
     if autotune.interpreting():
         return [TileConfig(block_m=d.pp, block_k=16, num_warps=1)]
-    # H200, S1 / S2 (us): 32 steps 99 / 143, 64 steps 115 / 161; a 32-wide headdim tile 190 / 257
+    # H200, S1 / S2 (us): 32 steps 99 / 143, 64 steps 115 / 161; a 32-wide headdim tile 190 / 257;
+    # two heads stacked, 64 steps, 3 stages 89 / 126 (v9: 32 steps 103 / 142, four heads at 8
+    # warps 113 / 157, at 4 warps 205-254 / 280-346)
     bp = min(d.pp, 64)
-    return [TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
-            TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3)]
+    return _stacked_heads(d, ((64, 4, 3), (64, 4, 4))) + [
+        TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
+        TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3)]
 
 
 def fused_fits(d: Dims) -> bool:
@@ -170,6 +183,8 @@ def dstate_candidates(d: Dims) -> list[TileConfig]:
     if autotune.interpreting():
         return chunk_state_candidates(d)
     bp = min(d.pp, 64)
+    # two heads stacked per program (as the forward's chunk states, v9): 73-76 / 98-104 us at
+    # 64 or 32 steps, 4 or 8 warps, against 70 / 95 for one head: not kept
     return [TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
             TileConfig(block_m=bp, block_k=64, num_warps=8, num_stages=2)]
 
@@ -216,10 +231,10 @@ def dcb_candidates(d: Dims) -> list[TileConfig]:
 
 
 def dt_backward_candidates(d: Dims) -> list[TileConfig]:
-    """``ssd_dt_backward``: one head per program, or blocks of ``heads`` heads as (positions x
-    heads) tiles, which read dt and write ddt along their contiguous heads axis (not yet timed
-    on a GPU: autotune decides).  At 8 warps (sm_90 ptxas, chunk 256): 4 heads 48 registers,
-    8 heads 170, 16 heads 247; at 4 warps 4 heads take 103, 8 heads 249 and 16 heads spill."""
+    """``ssd_dt_backward``: blocks of ``heads`` heads as (positions x heads) tiles.  At S1 on an H200
+    (NOTES_ssd.md, v9): 8 heads 22.5 us, 4 heads 28.6, 16 heads 29.1 (all at 8 warps; the former
+    one-head form, dt and ddt strided by the heads, 28.3); 16 heads only where there are more
+    than 8.  At 8 warps (sm_90 ptxas, chunk 256): 4 heads 48 registers, 8 heads 170, 16 heads 247."""
     if autotune.interpreting():
-        return [TileConfig(num_warps=1)]
-    return [TileConfig(num_warps=4)] + [TileConfig(heads=hb, num_warps=8) for hb in (4, 8, 16) if hb <= pow2(d.h)]
+        return [TileConfig(heads=2, num_warps=1)]
+    return [TileConfig(heads=hb, num_warps=8) for hb in (8, 4, 16) if hb <= max(8, pow2(d.h))]

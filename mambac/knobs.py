@@ -37,7 +37,7 @@ class Knobs:
     kernels: str = "auto"          # MAMBAC_KERNELS: auto | triton | reference
     progress: str = "auto"         # MAMBAC_PROGRESS: auto (bars on a terminal) | 1 (always) | 0 (never)
     direct_launch: bool = True     # MAMBAC_DIRECT_LAUNCH: repeat launches skip Triton's dispatch (0: never)
-    ssd_streams: bool = False      # MAMBAC_SSD_STREAMS: the SSD backward's two chains on two CUDA streams
+    ssd_streams: bool = True       # MAMBAC_SSD_STREAMS: independent SSD launches on a second CUDA stream (0: one stream)
 
 
 def _from_env() -> Knobs:
@@ -52,7 +52,7 @@ def _from_env() -> Knobs:
         kernels=(os.environ.get("MAMBAC_KERNELS") or "auto").strip().lower(),
         progress=(os.environ.get("MAMBAC_PROGRESS") or "auto").strip().lower(),
         direct_launch=_flag("MAMBAC_DIRECT_LAUNCH", default=True),
-        ssd_streams=_flag("MAMBAC_SSD_STREAMS"),
+        ssd_streams=_flag("MAMBAC_SSD_STREAMS", default=True),
     )
 
 

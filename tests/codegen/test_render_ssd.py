@@ -27,7 +27,7 @@ def all_sources(r: SSDRegion) -> dict[str, str]:
            "state_pass": render_fwd.render_state_pass(r),
            "chunk_scan": render_fwd.render_chunk_scan(r, 2, "forward"),
            "state_pass_bwd": render_bwd.render_state_pass_bwd(r),
-           "dt_backward": render_bwd.render_dt_backward(r),
+           "dt_backward": render_bwd.render_dt_backward(r, 4),
            "dx": render_bwd_tiles.render_dx(r, 2),
            "dc": render_bwd_tiles.render_dbc(r, "c"), "db": render_bwd_tiles.render_dbc(r, "b"),
            "dcb": render_bwd_pairs.render_dcb(r, 2)}
@@ -59,6 +59,18 @@ def test_prologue_runs_in_order_before_the_cumsum():
                     "d = d + bias", "d = _softplus(d)", "tl.minimum(tl.maximum(d, dt_min), dt_max)",
                     "def ssd_chunk_state(", "_dt_transform(d, bias, dt_min, dt_max)",
                     "tl.cumsum(da, 0)", "tl.store(cs_ptr", "tl.dot(")
+
+
+def test_stacked_heads_state_kernels_in_order():
+    src = render_fwd.render_chunk_state(region(), "forward", 2)
+    assert_in_order(src, "def _rows(v, BP: tl.constexpr):", "def ssd_chunk_state(",
+                    "h0 = (pid_bh % (H // 2)) * 2", "rows = tl.arange(0, 2 * BP)",
+                    "bias = tl.load(bias_ptr + h0 + hh)", "_dt_transform(d, bias, dt_min, dt_max)",
+                    "tl.cumsum(da, 1)", "tl.store(cs_ptr + row[:, None] + s[None, :]",
+                    "_rows(d * tl.exp(end[:, None] - cs), BP)", "_rows(tl.exp(end - run)[:, None], BP)",
+                    "tl.store(states_ptr")
+    with pytest.raises(ValueError, match="only the forward"):
+        render_fwd.render_chunk_state(region(), "dstate", 2)
 
 
 def test_absent_prologue_steps_leave_no_code():
@@ -122,12 +134,14 @@ def test_dot_precision_follows_dtype():
 
 
 def test_backward_sources_in_order():
-    dt = render_bwd.render_dt_backward(region())
-    assert_in_order(dt, "def ssd_dt_backward(", "tl.sum(mr, 1) - tl.sum(mc, 1) - v",
-                    "tl.cumsum(dcs, 0, reverse=True)", "tl.store(da_ptr", "v = v + bias",
-                    "pre = _softplus(v)", "(pre >= dt_min) & (pre <= dt_max)",
-                    "g * tl.sigmoid(v)", "tl.store(ddt_ptr", "tl.store(dbias_ptr")
-    assert "bias" not in render_bwd.render_dt_backward(region(has_dt_bias=False))
+    dt = render_bwd.render_dt_backward(region(), 8)
+    assert_in_order(dt, "def ssd_dt_backward(", "j = tl.arange(0, 8)", "mh = hh < H",
+                    "dcs = tl.load(es_ptr + at, mask=m2, other=0.0) - vv",
+                    "for k in tl.static_range(KP):", "tl.cumsum(dcs, 0, reverse=True)",
+                    "tl.store(da_ptr", "v = v + bias", "pre = _softplus(v)",
+                    "(pre >= dt_min) & (pre <= dt_max)", "g * tl.sigmoid(v)",
+                    "tl.store(ddt_ptr + pos[:, None] * H + hh[None, :]", "tl.store(dbias_ptr")
+    assert "bias" not in render_bwd.render_dt_backward(region(has_dt_bias=False), 8)
     dc = render_bwd_tiles.render_dbc(region(), "c")
     assert_in_order(dc, "for hh in range(hbase, hbase + hps):", "tl.store(es_ptr", "if hs == 0:",
                     "for k0 in range(0, pid_m * BT + BT, BS):", "dcb = tl.load(dcb_ptr + cb_base + t[:, None]",

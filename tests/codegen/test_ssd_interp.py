@@ -152,8 +152,8 @@ def test_forward_path_errors():
     (True, NOLIM, dict(D="head", z=True, bias=True), torch.bfloat16),
 ], ids=["softplus-clamp-bias", "plain-bias", "bf16-z"])
 def test_dt_backward_head_blocks_match_referee(monkeypatch, softplus, limit, flags, dtype):
-    """The (positions x heads) form of ssd_dt_backward, with a head block that runs past the last
-    head (6 heads in blocks of 4), agrees with the referee and with the one-head form."""
+    """ssd_dt_backward with a head block that runs past the last head (6 heads in blocks of 4)
+    agrees with the referee and with blocks that divide the heads (2, the interpreter's)."""
     import dataclasses
     from mambac.codegen import ssd_kernels_bwd as bk, ssd_launch
     from mambac.codegen.kernel_ir import TileConfig
@@ -174,3 +174,34 @@ def test_dt_backward_head_blocks_match_referee(monkeypatch, softplus, limit, fla
     for name, a, b in zip(NAMES, one, blocks):
         if a is not None:
             assert rel_err(b, a) <= (1e-6 if dtype == torch.float32 else 1e-2), name
+
+
+@pytest.mark.parametrize("heads,g,flags,dtype", [
+    (2, 1, dict(D="head", bias=True, init=True), torch.float32),
+    (4, 2, dict(z=True, bias=True), torch.bfloat16),
+], ids=["fp32-2heads", "bf16-4heads-2groups"])
+def test_stacked_heads_chunk_state_matches_referee(monkeypatch, heads, g, flags, dtype):
+    """ssd_chunk_state with several heads of a group per program (odd length, a partial last
+    chunk, headdim not a power of two) agrees with the referee and with the one-head form."""
+    import dataclasses
+    from mambac.codegen import ssd_kernels as fk, ssd_launch
+    from mambac.codegen.kernel_ir import TileConfig
+    args = make_inputs(13, 2, 45, 8, 6, 8, g, dtype=dtype, **flags)
+    q = 16
+    one = ssd_forward(*args, chunk_size=q, dt_softplus=True)
+    gy = torch.randn(one[0].shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    one_grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    stacked = [TileConfig(block_m=8, block_k=8, heads=heads, num_warps=1)]
+    monkeypatch.setattr(fk, "CHUNK_STATE", dataclasses.replace(fk.CHUNK_STATE, candidates=lambda d: stacked))
+    ssd_launch._PLANS.clear()
+    try:
+        check(args, q, True, NOLIM)
+        two = ssd_forward(*args, chunk_size=q, dt_softplus=True)
+        two_grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    finally:
+        ssd_launch._PLANS.clear()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(two[0], one[0]) <= tol and rel_err(two[1], one[1]) <= tol
+    for name, a, b in zip(NAMES, one_grads, two_grads):
+        if a is not None:
+            assert rel_err(b, a) <= tol, name

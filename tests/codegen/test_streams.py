@@ -17,7 +17,7 @@ def test_cpu_branch_runs_in_place():
     assert order == ["branch", "main"]
 
 
-def test_off_by_default_and_the_knob_turns_it_on(monkeypatch):
+def test_on_by_default_and_the_knob_turns_it_off(monkeypatch):
     from mambac import knobs
     with knobs.override(ssd_streams=False):
         assert streams.side_stream(torch.device("cuda", 0)) is None   # decided before touching CUDA
@@ -25,4 +25,4 @@ def test_off_by_default_and_the_knob_turns_it_on(monkeypatch):
     with knobs.override(ssd_streams=True):
         assert streams.side_stream(torch.device("cuda", 0)) == "the side stream"
         assert streams.side_stream(torch.device("cpu")) is None
-    assert not knobs.Knobs().ssd_streams   # off unless asked for
+    assert knobs.Knobs().ssd_streams   # on unless MAMBAC_SSD_STREAMS=0
