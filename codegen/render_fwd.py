@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mambac.codegen import render_state_heads
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, dt_args, dt_call,
                                           emit_dims, emit_dt_helpers, emit_positions, header,
@@ -45,7 +44,8 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1) -> s
     if heads > 1:
         if mode != "forward":
             raise ValueError("only the forward's chunk states stack several heads per program")
-        return render_state_heads.render_chunk_state_heads(r, heads)
+        from mambac.codegen.render_state_heads import render_chunk_state_heads  # it uses this module
+        return render_chunk_state_heads(r, heads)
     fwd = mode == "forward"
     name, q = chunk_state_name(mode), r.chunk_size
     w = Writer()
@@ -85,23 +85,37 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1) -> s
     return w.source()
 
 
-def chunk_state_block(w: Writer, r: SSDRegion, q: int) -> None:
+def chunk_state_block(w: Writer, r: SSDRegion, q: int, stacked: bool = False) -> None:
     """One block of BT steps of a chunk's state: dt prologue, the running dA cumsum (stored where
-    ``lim`` allows), and the rescaled x^T (B w)."""
-    w.line("d = tl.load(dt_ptr + bi64 * sdb + pos_s * sdl + h * sdh, mask=v_s, other=0.0)"
-           ".to(tl.float32)")
+    ``lim`` allows), and the rescaled x^T (B w).  ``stacked``: the (heads x steps) form of
+    ``render_state_heads``, whose x rows are several heads' stacked (per-head values spread over
+    their rows by ``_rows``; every block stores dt' and the cumsum)."""
+    if stacked:
+        w.line("d = tl.load(dt_ptr + bi64 * sdb + pos_s[None, :] * sdl + (h0 + hh)[:, None] * sdh, "
+               "mask=v_s[None, :], other=0.0).to(tl.float32)")
+        valid, a, ax, run = "v_s[None, :]", "a[:, None]", 1, "run[:, None]"
+        at, keep = "row[:, None] + s[None, :]", f"(s < {q})[None, :]"
+        x_s = ("tl.load(x_ptr + bi64 * sxb + (h0 + r_h)[:, None] * sxh + pos_s[None, :] * sxl"
+               " + r_p[:, None], mask=v_s[None, :] & m_r[:, None], other=0.0)")
+        weight = "_rows(d * tl.exp(end[:, None] - cs), BP)"
+        rescale = "_rows(tl.exp(end - run)[:, None], BP)"
+    else:
+        w.line("d = tl.load(dt_ptr + bi64 * sdb + pos_s * sdl + h * sdh, mask=v_s, other=0.0)"
+               ".to(tl.float32)")
+        valid, a, ax, run, at, keep = "v_s", "a", 0, "run", "row + s", "s < lim"
+        x_s = seq_tile("x_ptr", "bi64 * sxb + h * sxh", "pos_s", "sxl", "offs_p", "v_s", "m_p",
+                       transpose=True)
+        weight, rescale = "(d * tl.exp(end - cs))[None, :]", "tl.exp(end - run)"
     w.comment("prologue, then zero outside the sequence so padded steps neither add nor decay")
-    w.line(f"d = tl.where(v_s, {dt_call(r, 'd')}, 0.0)")
-    w.lines("da = d * a", "cs = run + tl.cumsum(da, 0)", "end = run + tl.sum(da, 0)",
-            "tl.store(dtp_ptr + row + s, d, mask=s < lim)",
-            "tl.store(cs_ptr + row + s, cs, mask=s < lim)")
-    w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + h * sxh", "pos_s", "sxl", "offs_p", "v_s",
-                               "m_p", transpose=True))
+    w.line(f"d = tl.where({valid}, {dt_call(r, 'd')}, 0.0)")
+    w.lines(f"da = d * {a}", f"cs = {run} + tl.cumsum(da, {ax})", f"end = run + tl.sum(da, {ax})",
+            f"tl.store(dtp_ptr + {at}, d, mask={keep})", f"tl.store(cs_ptr + {at}, cs, mask={keep})")
+    w.line("x_s = " + x_s)
     w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
-    w.comment("the step weights scale x (BP x BT), not the larger B tile, which goes to the dot as loaded")
-    w.line("xw = " + to_io(r, "x_s.to(tl.float32) * (d * tl.exp(end - cs))[None, :]"))
+    w.comment("the step weights scale x (rows x BT), not the larger B tile, which goes to the dot as loaded")
+    w.line("xw = " + to_io(r, f"x_s.to(tl.float32) * {weight}"))
     w.comment("rescale what earlier blocks added to this block's end, then add this block")
-    w.line("acc = " + dot(r, "xw", "b_s", "acc * tl.exp(end - run)"))
+    w.line("acc = " + dot(r, "xw", "b_s", f"acc * {rescale}"))
     w.line("run = end")
 
 

@@ -15,8 +15,8 @@ of one program must share a group (``heads`` divides heads per group).
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import (dot, dt_args, dt_call, emit_dt_helpers, emit_positions,
-                                          header, seq_tile, to_io)
+from mambac.codegen.render_common import dt_args, emit_dt_helpers, emit_positions, header
+from mambac.codegen.render_fwd import chunk_state_block
 from mambac.codegen.writer import Writer
 
 
@@ -60,25 +60,7 @@ def render_chunk_state_heads(r: SSDRegion, heads: int) -> str:
         w.line("run = a * 0.0  # per head: cumsum of dA before this block")
         with w.block(f"for k0 in range(0, {q}, BT):"):
             emit_positions(w, "s", "k0", "BT", q)
-            _state_block(w, r, q)
+            chunk_state_block(w, r, q, stacked=True)
         w.line("tl.store(states_ptr + ((bi64 * NC + pid_c) * H + h0) * P * N + (r_h * P + r_p)[:, None] * N"
                " + offs_n[None, :], acc, mask=m_r[:, None] & m_n[None, :])")
     return w.source()
-
-
-def _state_block(w: Writer, r: SSDRegion, q: int) -> None:
-    w.line("d = tl.load(dt_ptr + bi64 * sdb + pos_s[None, :] * sdl + (h0 + hh)[:, None] * sdh, "
-           "mask=v_s[None, :], other=0.0).to(tl.float32)")
-    w.comment("prologue, then zero outside the sequence so padded steps neither add nor decay")
-    w.line(f"d = tl.where(v_s[None, :], {dt_call(r, 'd')}, 0.0)")
-    w.lines("da = d * a[:, None]", "cs = run[:, None] + tl.cumsum(da, 1)", "end = run + tl.sum(da, 1)",
-            f"tl.store(dtp_ptr + row[:, None] + s[None, :], d, mask=(s < {q})[None, :])",
-            f"tl.store(cs_ptr + row[:, None] + s[None, :], cs, mask=(s < {q})[None, :])")
-    w.line("x_s = tl.load(x_ptr + bi64 * sxb + (h0 + r_h)[:, None] * sxh + pos_s[None, :] * sxl"
-           " + r_p[:, None], mask=v_s[None, :] & m_r[:, None], other=0.0)")
-    w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
-    w.comment("the step weights scale the stacked x rows; B goes to the dot as loaded")
-    w.line("xw = " + to_io(r, "x_s.to(tl.float32) * _rows(d * tl.exp(end[:, None] - cs), BP)"))
-    w.comment("rescale what earlier blocks added to this block's end (per head), then add this block")
-    w.line("acc = " + dot(r, "xw", "b_s", "acc * _rows(tl.exp(end - run)[:, None], BP)"))
-    w.line("run = end")
