@@ -25,8 +25,7 @@ Commands (default: check time parts):
   streams     fwd, and fwd+bwd (replayed from a CUDA graph, and launched from Python) with the
               independent launches on a second stream (codegen/streams.py) and on one,
               alternated, at S1 and S2; the tiles are PINNED (autotune's choices of the sixth
-              session's runs), so nothing is timed twice.  With "check" before it, the checks
-              also run with the second stream
+              session's runs), so nothing is timed twice
   warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
               S2, so that K processes can fill Triton's compile cache in parallel first
 Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
@@ -490,11 +489,9 @@ def main(argv: list[str]) -> None:
     if "variants" in what:
         time_variants("S1", S1)
         time_variants("S2", S2)
-    knobs = importlib.import_module("mambac.knobs")
-    with knobs.override(ssd_streams="streams" in what):  # the checks then cover the two-stream form
-        for which in CHECKS:
-            if which in what:
-                run_checks(cg, which)
+    for which in CHECKS:   # with the knobs in force (two streams unless MAMBAC_SSD_STREAMS=0)
+        if which in what:
+            run_checks(cg, which)
     if "streams" in what:
         time_streams(cg, "S1", S1)
         time_streams(cg, "S2", S2)

@@ -67,7 +67,8 @@ class DirectLaunches:
         self.table: dict[tuple, tuple[Any, tuple]] = {}
         self.failed = False  # a direct launch raised: this kernel keeps to Triton's path
 
-    def key(self, args: Sequence[Any], constexprs: dict[str, int], options: dict[str, int]) -> Optional[tuple]:
+    def key(self, args: Sequence[Any], constexprs: dict[str, int],
+            options: dict[str, int]) -> Optional[tuple]:
         spec = spec_key(args)
         if spec is None or len(self.names) != len(args) + len(constexprs):
             return None

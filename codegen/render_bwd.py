@@ -3,8 +3,9 @@
 * ``ssd_state_pass_bwd`` per (state tile, batch*head), chunks in reverse: the gradient of the
   state leaving each chunk, the initial-state gradient, and each chunk's total-decay gradient
   exp(tot) * <S_in, dS_out> as per-tile partial sums.
-* ``ssd_dt_backward`` per (chunk, batch, head block), as (positions x heads) tiles: adds the chunk-end terms to the cumsum gradient, reverse-cumsums it into
-  d(dt*A), and runs the dt prologue backward (clamp, softplus, bias).
+* ``ssd_dt_backward`` per (chunk, batch, head block), as (positions x heads) tiles: adds the
+  chunk-end terms to the cumsum gradient, reverse-cumsums it into d(dt*A), and runs the dt
+  prologue backward (clamp, softplus, bias).
 
 Notation (per head, inside one chunk): cs_t = sum_{j<=t} dt'_j A.  The cumsum gradient is
 

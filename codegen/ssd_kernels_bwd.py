@@ -182,7 +182,8 @@ def run_dt_backward(pr: Prepared, saved: SSDSaved, ddtd: Tensor, es: Tensor, v: 
     def launch(kern, cfg: TileConfig) -> None:
         args = [pr.dt, pr.A] + dt_extra_args(pr) + [saved.dtp, ddtd, es, v, mrow, mcol, dtot, ddt, da]
         args += ([dbias] if dbias is not None else []) + [d.l, d.h, d.nc] + strides3(pr.dt)
-        kern.launch((d.nc, d.b * cdiv(d.h, cfg.heads)), args + [nt, tile, ndt], dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg)
+        kern.launch((d.nc, d.b * cdiv(d.h, cfg.heads)), args + [nt, tile, ndt],
+                    dict(QP=pow2(d.q), KP=pow2(nt), TP=pow2(ndt)), cfg)
 
     run_family(DT_BWD, r, d, launch)
     return ddt.to(pr.dt.dtype), da, dbias

@@ -4,12 +4,12 @@ The SSD backward has two chains that meet only at its end: the state chain (dsta
 state passing, dx) and the pair chain (the pair weights dcb, then dC).  Its kernels are
 latency-bound at a few programs per SM, so running the two chains side by side fills the SMs with
 programs of both.  The forward likewise forms C B^T beside the chunk states and their passing
-(the sequential passing leaves most SMs idle).  ``Branch`` runs work on a per-device side stream after everything the current
-stream has queued, and ``join`` makes the current stream wait for it.  Tensors the branch
-allocates come from the side stream's pool; since every later branch starts after the current
-stream's queued work, a block freed after the join is not reused while a kernel still reads it.
-Under CUDA graph capture the fork and join become edges of the graph.  On the CPU (and with the
-knob off) the branch runs in place, in order.
+(the sequential passing leaves most SMs idle).  ``Branch`` runs work on a per-device side stream
+after everything the current stream has queued, and ``join`` makes the current stream wait for
+it.  Tensors the branch allocates come from the side stream's pool; since every later branch
+starts after the current stream's queued work, a block freed after the join is not reused while a
+kernel still reads it.  Under CUDA graph capture the fork and join become edges of the graph.  On
+the CPU (and with the knob off) the branch runs in place, in order.
 
 The two-stream form is on by default: on an H200 it took the S1 fwd+bwd replayed from a CUDA graph
 from 1450 to 1408 us and S2's from 2209 to 2142, with the same errors (benchmarks/NOTES_ssd.md,

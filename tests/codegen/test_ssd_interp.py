@@ -6,6 +6,8 @@ Tolerances: fp32 1e-4, bf16 1e-2 (relative, in norm).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import math
 
@@ -41,6 +43,21 @@ def make_inputs(seed, b, l, h, p, n, g, *, D=None, z=False, init=False, bias=Fal
         if vals[k] is not None:
             vals[k] = vals[k].to(dtype)
     return [vals[k] for k in NAMES]
+
+
+@contextlib.contextmanager
+def only_tile(monkeypatch, module, family: str, tile):
+    """Inside: ``module.<family>`` launches with ``tile`` alone (the launch plans made before and
+    inside are dropped on entry and exit, so other kernels keep their own tiles)."""
+    from mambac.codegen import ssd_launch
+    fam = getattr(module, family)
+    monkeypatch.setattr(module, family, dataclasses.replace(fam, candidates=lambda d: [tile]))
+    ssd_launch._PLANS.clear()
+    try:
+        yield
+    finally:
+        ssd_launch._PLANS.clear()
+        monkeypatch.setattr(module, family, fam)
 
 
 def check(args, chunk, softplus, limit, seed=0):
@@ -154,8 +171,7 @@ def test_forward_path_errors():
 def test_dt_backward_head_blocks_match_referee(monkeypatch, softplus, limit, flags, dtype):
     """ssd_dt_backward with a head block that runs past the last head (6 heads in blocks of 4)
     agrees with the referee and with blocks that divide the heads (2, the interpreter's)."""
-    import dataclasses
-    from mambac.codegen import ssd_kernels_bwd as bk, ssd_launch
+    from mambac.codegen import ssd_kernels_bwd as bk
     from mambac.codegen.kernel_ir import TileConfig
     args = make_inputs(11, 2, 45, 6, 4, 8, 2, softplus=softplus, dtype=dtype, **flags)
     q = 32  # two pair tiles per chunk (16 under the interpreter), and a partial last chunk
@@ -163,14 +179,9 @@ def test_dt_backward_head_blocks_match_referee(monkeypatch, softplus, limit, fla
                                   dt_max=limit[1], return_saved=True)
     gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
     one = ssd_backward(gy, None, *args, q, softplus, *limit, saved=saved)
-    monkeypatch.setattr(bk, "DT_BWD", dataclasses.replace(
-        bk.DT_BWD, candidates=lambda d: [TileConfig(heads=4, num_warps=1)]))
-    ssd_launch._PLANS.clear()
-    try:
+    with only_tile(monkeypatch, bk, "DT_BWD", TileConfig(heads=4, num_warps=1)):
         blocks = ssd_backward(gy, None, *args, q, softplus, *limit, saved=saved)
         check(args, q, softplus, limit)
-    finally:
-        ssd_launch._PLANS.clear()
     for name, a, b in zip(NAMES, one, blocks):
         if a is not None:
             assert rel_err(b, a) <= (1e-6 if dtype == torch.float32 else 1e-2), name
@@ -183,23 +194,18 @@ def test_dt_backward_head_blocks_match_referee(monkeypatch, softplus, limit, fla
 def test_stacked_heads_chunk_state_matches_referee(monkeypatch, heads, g, flags, dtype):
     """ssd_chunk_state with several heads of a group per program (odd length, a partial last
     chunk, headdim not a power of two) agrees with the referee and with the one-head form."""
-    import dataclasses
-    from mambac.codegen import ssd_kernels as fk, ssd_launch
+    from mambac.codegen import ssd_kernels as fk
     from mambac.codegen.kernel_ir import TileConfig
     args = make_inputs(13, 2, 45, 8, 6, 8, g, dtype=dtype, **flags)
     q = 16
     one = ssd_forward(*args, chunk_size=q, dt_softplus=True)
     gy = torch.randn(one[0].shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     one_grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
-    stacked = [TileConfig(block_m=8, block_k=8, heads=heads, num_warps=1)]
-    monkeypatch.setattr(fk, "CHUNK_STATE", dataclasses.replace(fk.CHUNK_STATE, candidates=lambda d: stacked))
-    ssd_launch._PLANS.clear()
-    try:
+    stacked = TileConfig(block_m=8, block_k=8, heads=heads, num_warps=1)
+    with only_tile(monkeypatch, fk, "CHUNK_STATE", stacked):
         check(args, q, True, NOLIM)
         two = ssd_forward(*args, chunk_size=q, dt_softplus=True)
         two_grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
-    finally:
-        ssd_launch._PLANS.clear()
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(two[0], one[0]) <= tol and rel_err(two[1], one[1]) <= tol
     for name, a, b in zip(NAMES, one_grads, two_grads):
