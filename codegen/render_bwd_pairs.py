@@ -32,18 +32,18 @@ def render_dcb(r: SSDRegion, unroll: int = 1) -> str:
            f"{unroll} head(s) per loop step.")
     args = ["x_ptr", "dy_ptr", "dtp_ptr", "cs_ptr", "cb_ptr", "dcb_ptr", "mrow_ptr", "mcol_ptr",
             "L", "H", "HPG", "G", "NC", "P", "HS", "DS", "sxb", "sxl", "sxh", "BT: tl.constexpr",
-            "PP: tl.constexpr"]
+            "PP: tl.constexpr", "EVEN: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def {NAME}({', '.join(args)}):"):
         w.lines(f"nt = {q} // BT + ({q} % BT > 0)", "pid_m = tl.program_id(0) // nt",
                 "pid_k = tl.program_id(0) % nt", "pid_c = tl.program_id(1)", "pid_x = tl.program_id(2)",
                 "bi = pid_x // (G * HS)", "g = (pid_x % (G * HS)) // HS", "hs = pid_x % HS",
                 "bi64 = bi.to(tl.int64)", "hps = HPG // HS", "hbase = g * HPG + hs * hps",
-                "offs_p = tl.arange(0, PP)", "m_p = offs_p < P")
-        emit_positions(w, "t", "pid_m * BT", "BT", q)
-        emit_positions(w, "s", "pid_k * BT", "BT", q)
+                "offs_p = tl.arange(0, PP)", "m_p = (offs_p < P) | EVEN")
+        emit_positions(w, "t", "pid_m * BT", "BT", q, even=True)
+        emit_positions(w, "s", "pid_k * BT", "BT", q, even=True)
         w.lines(f"cb_base = ((bi64 * NC + pid_c) * G + g) * {q * q}",
-                f"inside = (t < {q})[:, None] & (s < {q})[None, :]")
+                "inside = in_t[:, None] & in_s[None, :]")
         w.comment("below the diagonal the decay factors through r, the s tile's last position:")
         w.comment("exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
         for diagonal, cond in ((False, "if pid_k < pid_m:"), (True, "elif pid_k == pid_m:")):
@@ -65,9 +65,9 @@ def render_dcb(r: SSDRegion, unroll: int = 1) -> str:
 def _pair_head(w: Writer, r: SSDRegion, hh: str, diagonal: bool) -> None:
     q = r.chunk_size
     w.line(f"row = (bi64 * H + {hh}) * (NC * {q}) + pid_c * {q}")
-    w.line(f"cs_t = tl.load(cs_ptr + row + t, mask=t < {q}, other=0.0)")
-    w.line(f"cs_s = tl.load(cs_ptr + row + s, mask=s < {q}, other=0.0)")
-    w.line(f"dt_s = tl.load(dtp_ptr + row + s, mask=s < {q}, other=0.0)")
+    w.line("cs_t = tl.load(cs_ptr + row + t, mask=in_t, other=0.0)")
+    w.line("cs_s = tl.load(cs_ptr + row + s, mask=in_s, other=0.0)")
+    w.line("dt_s = tl.load(dtp_ptr + row + s, mask=in_s, other=0.0)")
     w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", hh, "v_t"))
     w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({hh}) * sxh", "pos_s", "sxl", "offs_p", "v_s", "m_p"))
     if diagonal:
@@ -80,5 +80,5 @@ def _pair_head(w: Writer, r: SSDRegion, hh: str, diagonal: bool) -> None:
     w.line("wsum += wj")
     w.line("m = wj * cb")
     w.comment("row sums into slot pid_k (the s tile), column sums into slot pid_m (the t tile)")
-    w.line(f"tl.store(mrow_ptr + (row + t) * nt + pid_k, tl.sum(m, 1), mask=t < {q})")
-    w.line(f"tl.store(mcol_ptr + (row + s) * nt + pid_m, tl.sum(m, 0), mask=s < {q})")
+    w.line("tl.store(mrow_ptr + (row + t) * nt + pid_k, tl.sum(m, 1), mask=in_t)")
+    w.line("tl.store(mcol_ptr + (row + s) * nt + pid_m, tl.sum(m, 0), mask=in_s)")

@@ -39,14 +39,14 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
     args = ["x_ptr", "b_ptr", "cb_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
     args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr", "ddtd_ptr", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "BM: tl.constexpr",
-             "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
+             "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr", "EVEN: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_dx({', '.join(args)}):"):
         w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_bh = tl.program_id(2)",
                 "nm = tl.num_programs(0)", f"bi = pid_bh // (H // {heads})",
                 f"h0 = (pid_bh % (H // {heads})) * {heads}", "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
-        emit_positions(w, "s", "pid_m * BM", "BM", q)
-        emit_dims(w)
+        emit_positions(w, "s", "pid_m * BM", "BM", q, even=True)
+        emit_dims(w, even=True)
         w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
         w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
         w.comment("targets t in tiles wholly after this row tile factor their decay through r, the")
@@ -57,7 +57,7 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
         for j in range(heads):
             h = f"h0 + {j}"
             w.line(f"row_{j} = (bi64 * H + {h}) * (NC * {q}) + pid_c * {q}")
-            w.line(f"cs_s_{j} = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
+            w.line(f"cs_s_{j} = tl.load(cs_ptr + row_{j} + s, mask=in_s, other=0.0)")
             w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + rr)")
             w.line(f"cend = tl.load(cs_ptr + row_{j} + {q - 1})")
             w.line("ds = " + state_tile("dsout_ptr", f"(bi64 * NC + pid_c) * H + {h}", True))
@@ -78,13 +78,13 @@ def _dx_targets(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
     """One target tile t of dx: on the diagonal the full masked decay, past it only the targets'
     factor exp(cs_t - cs_r) (the rows' factor is applied once, before the diagonal)."""
     q = r.chunk_size
-    emit_positions(w, "t", "k0", "BK", q)
+    emit_positions(w, "t", "k0", "BK", q, even=True)
     if diagonal:
         w.line("causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
     w.comment("B_s.C_t: a tile of ssd_chunk_cb_both's transposed product, read along its rows")
-    w.line("cbt = " + cb_tile(q, "s[:, None]", "t[None, :]", f"(t < {q})[None, :] & (s < {q})[:, None]"))
+    w.line("cbt = " + cb_tile(q, "s[:, None]", "t[None, :]", "in_t[None, :] & in_s[:, None]"))
     for j in range(heads):
-        w.line(f"cs_t = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
+        w.line(f"cs_t = tl.load(cs_ptr + row_{j} + t, mask=in_t, other=0.0)")
         if diagonal:
             w.line(f"wj = cbt * tl.exp(tl.where(causal, cs_t[None, :] - cs_s_{j}[:, None], {NEG}))")
         else:
@@ -94,12 +94,12 @@ def _dx_targets(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
 
 
 def _dx_epilogue(w: Writer, r: SSDRegion, j: int) -> None:
-    q, h = r.chunk_size, f"h0 + {j}"
+    h = f"h0 + {j}"
     w.comment(f"epilogue of head {j}")
     w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({h}) * sxh", "pos_s", "sxl", "offs_p",
                                "v_s", "m_p") + ".to(tl.float32)")
-    w.line(f"tl.store(ddtd_ptr + row_{j} + s, tl.sum(acc_{j} * x_s, 1), mask=s < {q})")
-    w.line(f"dx = acc_{j} * tl.load(dtp_ptr + row_{j} + s, mask=s < {q}, other=0.0)[:, None]")
+    w.line(f"tl.store(ddtd_ptr + row_{j} + s, tl.sum(acc_{j} * x_s, 1), mask=in_s)")
+    w.line(f"dx = acc_{j} * tl.load(dtp_ptr + row_{j} + s, mask=in_s, other=0.0)[:, None]")
     part = f"((bi64 * NC + pid_c) * nm + pid_m) * H + {h}"
     if r.d_mode != "none":
         w.line("dy_s = " + dense_tile("dy_ptr", "pos_s", h, "v_s") + ".to(tl.float32)")

@@ -162,14 +162,38 @@ def state_tile(ptr: str, index: str, transpose: bool) -> str:
             f"mask=m_p[:, None] & m_n[None, :], other=0.0)")
 
 
-def emit_dims(w: Writer) -> None:
-    """Headdim / dstate offsets and masks (PP, NP are the padded constexpr sizes)."""
-    w.lines("offs_p = tl.arange(0, PP)", "m_p = offs_p < P",
-            "offs_n = tl.arange(0, NP)", "m_n = offs_n < N")
+def emit_dims(w: Writer, even: bool = False) -> None:
+    """Headdim / dstate offsets and masks (PP, NP are the padded constexpr sizes); ``even``: the
+    kernel takes the EVEN constexpr (``even_tiles``), under which the masks are all true."""
+    w.lines("offs_p = tl.arange(0, PP)", f"m_p = {_or_even('offs_p < P', even)}",
+            "offs_n = tl.arange(0, NP)", f"m_n = {_or_even('offs_n < N', even)}")
 
 
-def emit_positions(w: Writer, name: str, start: str, size: str, q: int) -> None:
-    """``name`` (chunk offsets), ``pos_name`` (sequence positions) and ``v_name`` (valid)."""
+def emit_positions(w: Writer, name: str, start: str, size: str, q: int, even: bool = False) -> None:
+    """``name`` (chunk offsets), ``pos_name`` (sequence positions) and ``v_name`` (valid); with
+    ``even`` also ``in_name`` (inside the chunk), both all true under the EVEN constexpr."""
     w.line(f"{name} = {start} + tl.arange(0, {size})")
     w.line(f"pos_{name} = pid_c * {q} + {name}")
-    w.line(f"v_{name} = ({name} < {q}) & (pos_{name} < L)")
+    if even:
+        w.line(f"in_{name} = ({name} < {q}) | EVEN")
+        w.line(f"v_{name} = (in_{name} & (pos_{name} < L)) | EVEN")
+    else:
+        w.line(f"v_{name} = ({name} < {q}) & (pos_{name} < L)")
+
+
+def inside(name: str, q: int, even: bool) -> str:
+    """Text of the mask of chunk offsets ``name`` inside the chunk (``in_name`` where
+    ``emit_positions`` made it under ``even``)."""
+    return f"in_{name}" if even else f"({name} < {q})"
+
+
+def _or_even(mask: str, even: bool) -> str:
+    return f"({mask}) | EVEN" if even else mask
+
+
+def even_tiles(dims, *blocks: int) -> bool:
+    """The EVEN constexpr of a launch: no tile runs past the sequence, the chunk, the headdim or
+    dstate (the length is a multiple of the chunk, ``blocks`` divide it, headdim and dstate are
+    their padded sizes), so every bounds mask of the kernel is true and compiles away."""
+    return (dims.l % dims.q == 0 and all(dims.q % b == 0 for b in blocks)
+            and dims.p == dims.pp and dims.n == dims.np_)

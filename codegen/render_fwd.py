@@ -23,7 +23,7 @@ from typing import Callable
 
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, dt_args, dt_call,
-                                          emit_dims, emit_dt_helpers, emit_positions, header,
+                                          emit_dims, emit_dt_helpers, emit_positions, header, inside,
                                           load_bias, seq_tile, state_tile, to_io)
 from mambac.codegen.writer import Writer
 
@@ -221,26 +221,28 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
     args += ["dtp_ptr", "cs_ptr", "sin_ptr", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
-    args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
+    args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
+             "EVEN: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def {name}({', '.join(args)}):"):
         w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_bh = tl.program_id(2)",
                 f"bi = pid_bh // (H // {heads})", f"h0 = (pid_bh % (H // {heads})) * {heads}",
                 "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
-        emit_dims(w)
+        emit_dims(w, even=True)
         w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
         emit_scan_rows(w, r, heads, "pid_m * BM", mode, lambda j: state_tile(
-            "sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True))
+            "sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True), even=True)
     return w.source()
 
 
 def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
-                   state: Callable[[int], str]) -> None:
+                   state: Callable[[int], str], even: bool = False) -> None:
     """One row tile of the chunk scan (rows ``start`` .. ``start`` + BM) for ``heads`` heads of one
     group, through the epilogue; ``state(j)`` is the text of head j's incoming state as a
-    (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` and the dims' offsets."""
+    (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` and the dims' offsets; ``even``:
+    the bounds masks take the kernel's EVEN constexpr (``render_common.emit_positions``)."""
     q = r.chunk_size
-    emit_positions(w, "t", start, "BM", q)
+    emit_positions(w, "t", start, "BM", q, even)
     w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
     w.comment("tiles of partners s wholly before this row tile factor their decay through the")
     w.comment("last of them, r = off - 1:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
@@ -248,32 +250,33 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
     w.comment("contribution of the state entering the chunk: exp(cs_t) = exp(cs_t - cs_r) exp(cs_r)")
     for j in range(heads):
         w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
-        w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask=t < {q}, other=0.0)")
+        w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask={inside('t', q, even)}, other=0.0)")
         w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + off - 1, mask=off > 0, other=0.0)")
         w.line(f"st_{j} = {state(j)}")
         w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}')} * tl.exp(cs_r_{j})")
     w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
     with w.block("for k0 in range(0, off, BK):"):
-        chunk_scan_partners(w, r, heads, diagonal=False)
+        chunk_scan_partners(w, r, heads, diagonal=False, even=even)
     for j in range(heads):
         w.line(f"acc_{j} = acc_{j} * tl.exp(cs_t_{j} - cs_r_{j})[:, None]")
     with w.block(f"for k0 in range(off, {start} + BM, BK):"):
-        chunk_scan_partners(w, r, heads, diagonal=True)
+        chunk_scan_partners(w, r, heads, diagonal=True, even=even)
     for j in range(heads):
         chunk_scan_epilogue(w, r, j, mode)
 
 
-def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
+def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, even: bool = False) -> None:
     """One partner tile s of the chunk scan: on the diagonal the full masked decay, before it
     only the partners' factor exp(cs_r - cs_s) (the rows' factor is applied once, after)."""
     q = r.chunk_size
-    emit_positions(w, "s", "k0", "BK", q)
+    emit_positions(w, "s", "k0", "BK", q, even)
+    t_in, s_in = inside("t", q, even), inside("s", q, even)
     if diagonal:
         w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
-    w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", f"(t < {q})[:, None] & (s < {q})[None, :]"))
+    w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", f"{t_in}[:, None] & {s_in}[None, :]"))
     for j in range(heads):
-        w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
-        w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask=s < {q}, other=0.0)")
+        w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask={s_in}, other=0.0)")
+        w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask={s_in}, other=0.0)")
         if diagonal:
             w.line(f"wj = cb * tl.exp(tl.where(causal, cs_t_{j}[:, None] - cs_s[None, :], {NEG}))"
                    " * dt_s[None, :]")

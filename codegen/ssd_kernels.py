@@ -18,6 +18,7 @@ from torch import Tensor
 from mambac.codegen import render_fused, render_fwd
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
+from mambac.codegen.render_common import even_tiles
 from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_state_candidates,
                                        fused_candidates, fused_fits, head_block_candidates, run_family,
@@ -197,7 +198,8 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
                     head + [y, dtp, cs, sin] + scan_args(pr),
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_,
+                         EVEN=even_tiles(d, cfg.block_m, cfg.block_k)), cfg)
 
     run_family(CHUNK_SCAN, r, d, launch)
     return y

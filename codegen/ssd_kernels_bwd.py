@@ -29,6 +29,7 @@ from torch import Tensor
 
 from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
 from mambac.codegen.kernel_ir import TileConfig
+from mambac.codegen.render_common import even_tiles
 from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, dense_out, dt_extra_args, forward_prepared,
                                         prepare, run_chunk_state, run_state_pass, scan_args, strides3,
@@ -61,7 +62,8 @@ def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Te
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
                     head + [dy_out, dz, dy, saved.dtp, saved.cs, saved.sin] + scan_args(pr),
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_,
+                         EVEN=even_tiles(d, cfg.block_m, cfg.block_k)), cfg)
 
     run_family(GATE_BWD, r, d, launch)
     return dz, dy
@@ -112,7 +114,8 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
         args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.B)
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_,
+                         EVEN=even_tiles(d, cfg.block_m, cfg.block_k)), cfg)
         return dd
 
     dd = run_family(DX, r, d, launch)
@@ -133,7 +136,7 @@ def run_dcb(pr: Prepared, dy: Tensor, saved: SSDSaved) -> tuple[Tensor, Tensor, 
         args = [pr.x, dy, saved.dtp, saved.cs, saved.cb, dcb, mrow, mcol, d.l, d.h, d.hpg, d.g, d.nc, d.p,
                 cfg.splits, dcb[0].numel()]
         kern.launch((nt * nt, d.nc, d.b * d.g * cfg.splits), args + strides3(pr.x),
-                    dict(BT=cfg.block_m, PP=d.pp), cfg)
+                    dict(BT=cfg.block_m, PP=d.pp, EVEN=even_tiles(d, cfg.block_m)), cfg)
         return dcb, mrow, mcol, cfg.block_m
 
     return run_family(DCB, pr.region, d, launch)

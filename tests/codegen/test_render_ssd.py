@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
+from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fused, render_fwd
 from mambac.codegen.kernel_ir import SSDRegion
 from tests.helpers import assert_in_order
 
@@ -85,7 +85,7 @@ def test_chunk_scan_epilogue_order_and_heads_unrolled():
     assert_in_order(src, "off = (pid_m * BM) // BK * BK", "acc_0 = tl.dot(c_t", "* tl.exp(cs_r_0)",
                     "acc_1 = tl.dot(c_t", "acc_2 = tl.dot(c_t",
                     # partners before the row tile: the decay factored through r, no mask
-                    "for k0 in range(0, off, BK):", "cb = tl.load(cb_ptr + cb_base", "mask=(t < ",
+                    "for k0 in range(0, off, BK):", "cb = tl.load(cb_ptr + cb_base", "mask=in_t",
                     "wj = cb * (tl.exp(cs_r_0 - cs_s) * dt_s)[None, :]", "acc_2 = tl.dot(",
                     "acc_0 = acc_0 * tl.exp(cs_t_0 - cs_r_0)[:, None]",
                     # the diagonal partners: the full masked decay
@@ -110,11 +110,36 @@ def test_chunk_cb_writes_causal_tile_pairs_once_per_group():
     dx = render_bwd_tiles.render_dx(region(), 1)
     assert "cb_ptr + cb_base + s[:, None] * 64 + t[None, :]" in dx  # the transpose, along its rows
     assert_in_order(dx, "cb_base = ", "dend = ", "rr = tl.minimum(dend, 64) - 1", "tl.exp(cend - cs_r_0)",
-                    "for k0 in range(dend, 64, BK):", "cbt = tl.load(cb_ptr", "mask=(t < ",
+                    "for k0 in range(dend, 64, BK):", "cbt = tl.load(cb_ptr", "mask=in_t",
                     "wj = cbt * tl.exp(cs_t - cs_r_0)[None, :]",
                     "acc_0 = acc_0 * tl.exp(cs_r_0 - cs_s_0)[:, None]",
                     "for k0 in range((pid_m * BM) // BK * BK, dend, BK):", "causal = ", "cbt = tl.load(cb_ptr")
     assert "c_ptr" not in dx.replace("cb_ptr", "")
+
+
+def test_even_constexpr_reaches_every_bounds_mask_of_the_big_kernels():
+    """chunk scan, dx and dcb take EVEN: their chunk, sequence, headdim and dstate masks are or-ed
+    with it (all true when the launch knows no tile runs past a bound), no bare bound remains."""
+    srcs = {"chunk_scan": render_fwd.render_chunk_scan(region(), 1, "forward"),
+            "dx": render_bwd_tiles.render_dx(region(), 1), "dcb": render_bwd_pairs.render_dcb(region(), 1)}
+    for name, src in srcs.items():
+        assert "EVEN: tl.constexpr" in src, name
+        assert_in_order(src, "in_t = (t < 64) | EVEN", "v_t = (in_t & (pos_t < L)) | EVEN")
+        assert_in_order(src, "in_s = (s < 64) | EVEN", "v_s = (in_s & (pos_s < L)) | EVEN")
+        assert "m_p = (offs_p < P) | EVEN" in src, name
+        assert "< 64," not in src and "< 64)[" not in src, name
+    fused = render_fused.render_fused_forward(region())
+    assert "EVEN" not in fused and "v_t = (t < 64) & (pos_t < L)" in fused
+
+
+def test_even_tiles_needs_every_bound_met():
+    from mambac.codegen.render_common import even_tiles
+    from mambac.codegen.ssd_launch import Dims
+    base = dict(b=1, l=512, h=2, g=1, p=64, n=128, q=256)
+    assert even_tiles(Dims(**base), 64, 32)
+    for change, blocks in ((dict(l=500), (64,)), (dict(p=48), (64,)), (dict(n=96), (64,)),
+                           (dict(q=96, l=96 * 4), (64,))):
+        assert not even_tiles(Dims(**{**base, **change}), *blocks), change
 
 
 def test_no_gate_code_without_z_and_no_skip_without_d():

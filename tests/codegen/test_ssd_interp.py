@@ -93,7 +93,11 @@ NOLIM = (0.0, math.inf)
          softplus=False, limit=(0.05, 0.5)),
     dict(shape=(1, 100, 4, 4, 8, 2, 48), flags=dict(D="head", z=True, init=True), softplus=True,
          limit=NOLIM),
-], ids=["plain-L20", "Dhd-init-bias-L16", "z-clamp-L7<chunk", "all-chunk12", "tiles-chunk48-L100"])
+    # every tile inside the chunk, the sequence, headdim and dstate: the kernels' EVEN launches
+    dict(shape=(1, 64, 2, 16, 16, 1, 32), flags=dict(D="head", z=True, init=True, bias=True),
+         softplus=True, limit=NOLIM),
+], ids=["plain-L20", "Dhd-init-bias-L16", "z-clamp-L7<chunk", "all-chunk12", "tiles-chunk48-L100",
+        "even-tiles-L64"])
 def test_fp32_matches_referee(case):
     b, l, h, p, n, g, q = case["shape"]
     args = make_inputs(len(str(case)), b, l, h, p, n, g, softplus=case["softplus"], **case["flags"])
