@@ -126,21 +126,22 @@ def render_dbc(r: SSDRegion, which: str) -> str:
             "sin_ptr" if which == "c" else "dsout_ptr", "dcb_ptr", "out_ptr",
             "es_ptr" if which == "c" else "v_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
             "HS", "NS", "DS", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg",
-            "BT: tl.constexpr", "BS: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr"]
+            "BT: tl.constexpr", "BS: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
+            "EVEN: tl.constexpr"]
     rows = "t" if which == "c" else "s"
     w.line("@triton.jit")
     with w.block(f"def {name}({', '.join(args)}):"):
         w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_x = tl.program_id(2)",
                 "bi = pid_x // (G * HS)", "g = (pid_x % (G * HS)) // HS", "hs = pid_x % HS",
                 "bi64 = bi.to(tl.int64)", "hps = HPG // HS", "hbase = g * HPG + hs * hps")
-        emit_positions(w, rows, "pid_m * BT", "BT", q)
-        emit_dims(w)
+        emit_positions(w, rows, "pid_m * BT", "BT", q, even=True)
+        emit_dims(w, even=True)
         w.line(f"{own}_r = " + seq_tile(f"{own}_ptr", f"bi64 * s{own}b + g * s{own}g", f"pos_{rows}",
                                         f"s{own}l", "offs_n", f"v_{rows}", "m_n"))
         w.line("acc = tl.zeros((BT, NP), dtype=tl.float32)")
         with w.block("for hh in range(hbase, hbase + hps):"):
             w.line(f"row = (bi64 * H + hh) * (NC * {q}) + pid_c * {q}")
-            w.line(f"cs_r = tl.load(cs_ptr + row + {rows}, mask={rows} < {q}, other=0.0)")
+            w.line(f"cs_r = tl.load(cs_ptr + row + {rows}, mask=in_{rows}, other=0.0)")
             if which == "c":
                 _dc_state_path(w, r)
             else:
@@ -153,25 +154,24 @@ def render_dbc(r: SSDRegion, which: str) -> str:
 
 
 def _dc_state_path(w: Writer, r: SSDRegion) -> None:
-    q = r.chunk_size
     w.comment("path through the state entering the chunk; es = exp(cs_t) dy_t.(S_in C_t)")
     w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", "hh", "v_t"))
     w.line("st = " + state_tile("sin_ptr", "(bi64 * NC + pid_c) * H + hh", False))
     w.line(f"e = {dot(r, 'dy_t', f'st.to({r.tl_io})')} * tl.exp(cs_r)[:, None]")
     w.line("acc += e")
-    w.line(f"tl.store(es_ptr + row + t, tl.sum(e * c_r.to(tl.float32), 1), mask=t < {q})")
+    w.line("tl.store(es_ptr + row + t, tl.sum(e * c_r.to(tl.float32), 1), mask=in_t)")
 
 
 def _db_state_path(w: Writer, r: SSDRegion) -> None:
     q = r.chunk_size
     w.comment("path through the state leaving the chunk; v = dt'_s exp(cs_end - cs_s) x_s.(dS B_s)")
-    w.line(f"dt_r = tl.load(dtp_ptr + row + s, mask=s < {q}, other=0.0)")
+    w.line("dt_r = tl.load(dtp_ptr + row + s, mask=in_s, other=0.0)")
     w.line(f"cend = tl.load(cs_ptr + row + {q - 1})")
     w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p", "v_s", "m_p"))
     w.line("ds = " + state_tile("dsout_ptr", "(bi64 * NC + pid_c) * H + hh", False))
     w.line(f"f = {dot(r, 'x_s', f'ds.to({r.tl_io})')} * (dt_r * tl.exp(cend - cs_r))[:, None]")
     w.line("acc += f")
-    w.line(f"tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=s < {q})")
+    w.line("tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=in_s)")
 
 
 def _dbc_pairs(w: Writer, r: SSDRegion, which: str, other: str) -> None:
@@ -185,13 +185,13 @@ def _dbc_pairs(w: Writer, r: SSDRegion, which: str, other: str) -> None:
     w.line(f"cb_base = ((bi64 * NC + pid_c) * G + g) * {q * q}")
     with w.block("if hs == 0:"):
         with w.block(loop):
-            emit_positions(w, part, "k0", "BS", q)
+            emit_positions(w, part, "k0", "BS", q, even=True)
             w.line(f"{other}_p = " + seq_tile(f"{other}_ptr", f"bi64 * s{other}b + g * s{other}g",
                                               f"pos_{part}", f"s{other}l", "offs_n", f"v_{part}", "m_n"))
             if which == "c":
-                at, inside = f"t[:, None] * {q} + s[None, :]", f"(t < {q})[:, None] & (s < {q})[None, :]"
+                at, inside = f"t[:, None] * {q} + s[None, :]", "in_t[:, None] & in_s[None, :]"
             else:
-                at, inside = f"t[None, :] * {q} + s[:, None]", f"(t < {q})[None, :] & (s < {q})[:, None]"
+                at, inside = f"t[None, :] * {q} + s[:, None]", "in_t[None, :] & in_s[:, None]"
             w.line(f"dcb = tl.load(dcb_ptr + cb_base + {at}, mask={inside}, other=0.0)")
             with w.block("for sp in range(1, NS):"):
                 w.line(f"dcb += tl.load(dcb_ptr + sp * DS + cb_base + {at}, mask={inside}, other=0.0)")

@@ -164,7 +164,8 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
                 d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, dcb.shape[0], dcb[0].numel()]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.g * cfg.splits), args,
-                    dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_), cfg)
+                    dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_,
+                         EVEN=even_tiles(d, cfg.block_m, cfg.block_k)), cfg)
         return out
 
     out = run_family(DC if which == "c" else DB, pr.region, d, launch)

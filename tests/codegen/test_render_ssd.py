@@ -118,14 +118,16 @@ def test_chunk_cb_writes_causal_tile_pairs_once_per_group():
 
 
 def test_even_constexpr_reaches_every_bounds_mask_of_the_big_kernels():
-    """chunk scan, dx and dcb take EVEN: their chunk, sequence, headdim and dstate masks are or-ed
+    """chunk scan, dx, dcb, dC and dB take EVEN: their chunk, sequence, headdim and dstate masks are or-ed
     with it (all true when the launch knows no tile runs past a bound), no bare bound remains."""
     srcs = {"chunk_scan": render_fwd.render_chunk_scan(region(), 1, "forward"),
-            "dx": render_bwd_tiles.render_dx(region(), 1), "dcb": render_bwd_pairs.render_dcb(region(), 1)}
+            "dx": render_bwd_tiles.render_dx(region(), 1), "dcb": render_bwd_pairs.render_dcb(region(), 1),
+            "dc": render_bwd_tiles.render_dbc(region(), "c"), "db": render_bwd_tiles.render_dbc(region(), "b")}
     for name, src in srcs.items():
         assert "EVEN: tl.constexpr" in src, name
-        assert_in_order(src, "in_t = (t < 64) | EVEN", "v_t = (in_t & (pos_t < L)) | EVEN")
-        assert_in_order(src, "in_s = (s < 64) | EVEN", "v_s = (in_s & (pos_s < L)) | EVEN")
+        for x in ("t", "s"):
+            assert f"in_{x} = ({x} < 64) | EVEN" in src, (name, x)
+            assert f"v_{x} = (in_{x} & (pos_{x} < L)) | EVEN" in src or f"v_{x} =" not in src, (name, x)
         assert "m_p = (offs_p < P) | EVEN" in src, name
         assert "< 64," not in src and "< 64)[" not in src, name
     fused = render_fused.render_fused_forward(region())
