@@ -381,7 +381,7 @@ def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
     import pstats
     import time
     knobs = importlib.import_module("mambac.knobs")
-    fwd, fb = ssd_calls(cg, shape)
+    _, fb = ssd_calls(cg, shape)
     for direct in (False, True) * 3:
         with knobs.override(direct_launch=direct):
             fb()
