@@ -314,7 +314,7 @@ def time_parts(cg, shape: dict) -> None:
 
 
 # TileConfig fields of tiles to try beside the candidate lists, by family (benchmarks/NOTES_ssd.md):
-# none pending; the last ones, dC / dB at 8 warps (v8), were slower than the candidates
+# none pending; the last ones (v11), dcb / dB at three stages with descriptors, were slower
 VARIANTS: dict = {}
 
 

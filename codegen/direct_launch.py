@@ -4,8 +4,8 @@ Triton's ``kernel[grid](...)`` binds the arguments, computes their specialisatio
 the options and looks the compiled kernel up on every call.  A generated kernel is launched many
 times per training step with arguments of the same kinds, so after the first launch through
 Triton, ``DirectLaunches`` keeps the compiled kernel under a key at least as fine as what Triton
-specialises on (dtype and 16-byte alignment of each tensor, each scalar's value, the constexprs,
-the launch options and the device) and later launches with the same key call its launcher
+specialises on (dtype and 16-byte alignment of each tensor, each scalar's value, each tensor
+descriptor's dtype, sizes, strides and block, the constexprs, the launch options and the device) and later launches with the same key call its launcher
 directly.  Any argument of another kind, a launch hook installed in Triton (profilers), the
 interpreter or ``MAMBAC_DIRECT_LAUNCH=0`` sends the call through Triton's path instead.
 """
@@ -31,6 +31,10 @@ def spec_key(args: Sequence[Any]) -> Optional[tuple]:
             put((t, a))
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
             put((a.dtype, a.data_ptr() & 15 == 0))
+        elif t.__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor: the launcher encodes it
+            base = a.base
+            put((base.dtype, base.data_ptr() & 15 == 0, tuple(a.shape), tuple(a.strides),
+                 tuple(a.block_shape), getattr(a, "padding", None)))
         else:
             return None
     return tuple(key)

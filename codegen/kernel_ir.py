@@ -119,7 +119,8 @@ def region_for(x: torch.Tensor, chunk_size: int, *, D: Optional[torch.Tensor], z
 class TileConfig:
     """Tile sizes and launch shape of one generated kernel (what autotune picks).
 
-    ``heads`` changes the rendered source (heads handled per program, unrolled); ``splits`` is how
+    ``heads`` changes the rendered source (heads handled per program, unrolled), and so does
+    ``tma`` (tiles loaded through tensor descriptors, where a family offers it); ``splits`` is how
     many programs share one group's heads (their partial sums are added afterwards); the block
     sizes are constexpr arguments; ``num_warps``, ``num_stages`` and, where set, ``maxnreg`` (a cap
     on registers per thread) are Triton's launch options (``launch_options``).
@@ -132,6 +133,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     maxnreg: Optional[int] = None
+    tma: bool = False
 
     def launch_options(self) -> dict[str, int]:
         """Keyword options of the Triton launch (``maxnreg`` only when set)."""
@@ -144,6 +146,8 @@ class TileConfig:
         fields = dataclasses.asdict(self)
         if fields["maxnreg"] is None:  # configs without a cap keep the keys they were stored under
             del fields["maxnreg"]
+        if not fields["tma"]:
+            del fields["tma"]
         return json.dumps(fields, sort_keys=True)
 
     @staticmethod

@@ -24,15 +24,18 @@ from mambac.codegen.writer import Writer
 NAME = "ssd_dcb"
 
 
-def render_dcb(r: SSDRegion, unroll: int = 1) -> str:
-    """``unroll`` heads per step of the head loop (it must divide the heads per split)."""
+def render_dcb(r: SSDRegion, unroll: int = 1, tma: bool = False) -> str:
+    """``unroll`` heads per step of the head loop (it must divide the heads per split); ``tma``:
+    x, dy and C B^T through tensor descriptors (``xd`` and ``dyd`` as (batch*seqlen,
+    heads*headdim), ``cbd`` as (batch*chunks*groups*chunk, chunk)), only for EVEN launches."""
     q = r.chunk_size
     w = Writer()
     header(w, NAME, r, f"Pair weights summed over a group's heads, and their cumsum-gradient sums; "
            f"{unroll} head(s) per loop step.")
     args = ["x_ptr", "dy_ptr", "dtp_ptr", "cs_ptr", "cb_ptr", "dcb_ptr", "mrow_ptr", "mcol_ptr",
-            "L", "H", "HPG", "G", "NC", "P", "HS", "DS", "sxb", "sxl", "sxh", "BT: tl.constexpr",
-            "PP: tl.constexpr", "EVEN: tl.constexpr"]
+            "L", "H", "HPG", "G", "NC", "P", "HS", "DS", "sxb", "sxl", "sxh"]
+    args += (["xd", "dyd", "cbd"] if tma else []) + ["BT: tl.constexpr", "PP: tl.constexpr",
+                                                      "EVEN: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def {NAME}({', '.join(args)}):"):
         w.lines(f"nt = {q} // BT + ({q} % BT > 0)", "pid_m = tl.program_id(0) // nt",
@@ -44,17 +47,23 @@ def render_dcb(r: SSDRegion, unroll: int = 1) -> str:
         emit_positions(w, "s", "pid_k * BT", "BT", q, even=True)
         w.lines(f"cb_base = ((bi64 * NC + pid_c) * G + g) * {q * q}",
                 "inside = in_t[:, None] & in_s[None, :]")
+        if tma:
+            w.comment("descriptor rows: this chunk's first position, and its first C B^T row")
+            w.lines(f"seq0 = bi * L + pid_c * {q}", f"cb_row = ((bi * NC + pid_c) * G + g) * {q}")
         w.comment("below the diagonal the decay factors through r, the s tile's last position:")
         w.comment("exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
         for diagonal, cond in ((False, "if pid_k < pid_m:"), (True, "elif pid_k == pid_m:")):
             with w.block(cond):
                 if diagonal:
                     w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
-                w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", "inside"))
+                if tma:
+                    w.line("cb = cbd.load([cb_row + pid_m * BT, pid_k * BT])")
+                else:
+                    w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", "inside"))
                 w.line("wsum = tl.zeros((BT, BT), dtype=tl.float32)")
                 with w.block(f"for h0 in range(hbase, hbase + hps, {unroll}):"):
                     for j in range(unroll):
-                        _pair_head(w, r, f"h0 + {j}", diagonal)
+                        _pair_head(w, r, f"h0 + {j}", diagonal, tma)
         with w.block("else:"):
             w.line("wsum = tl.zeros((BT, BT), dtype=tl.float32)")
         w.line(f"tl.store(dcb_ptr + hs.to(tl.int64) * DS + cb_base + t[:, None] * {q} + s[None, :], wsum, "
@@ -62,14 +71,19 @@ def render_dcb(r: SSDRegion, unroll: int = 1) -> str:
     return w.source()
 
 
-def _pair_head(w: Writer, r: SSDRegion, hh: str, diagonal: bool) -> None:
+def _pair_head(w: Writer, r: SSDRegion, hh: str, diagonal: bool, tma: bool = False) -> None:
     q = r.chunk_size
     w.line(f"row = (bi64 * H + {hh}) * (NC * {q}) + pid_c * {q}")
     w.line("cs_t = tl.load(cs_ptr + row + t, mask=in_t, other=0.0)")
     w.line("cs_s = tl.load(cs_ptr + row + s, mask=in_s, other=0.0)")
     w.line("dt_s = tl.load(dtp_ptr + row + s, mask=in_s, other=0.0)")
-    w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", hh, "v_t"))
-    w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({hh}) * sxh", "pos_s", "sxl", "offs_p", "v_s", "m_p"))
+    if tma:
+        w.line(f"dy_t = dyd.load([seq0 + pid_m * BT, ({hh}) * P])")
+        w.line(f"x_s = xd.load([seq0 + pid_k * BT, ({hh}) * P])")
+    else:
+        w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", hh, "v_t"))
+        w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + ({hh}) * sxh", "pos_s", "sxl", "offs_p",
+                                   "v_s", "m_p"))
     if diagonal:
         w.line(f"wj = {dot(r, 'dy_t', 'tl.trans(x_s)')} * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], "
                f"{NEG})) * dt_s[None, :]")

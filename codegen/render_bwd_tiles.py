@@ -29,17 +29,23 @@ from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, emi
 from mambac.codegen.writer import Writer
 
 
-def render_dx(r: SSDRegion, heads: int = 1) -> str:
+def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False) -> str:
     """dx, the direct dt gradient x.acc and the dD parts, ``heads`` heads per program; B_s.C_t
     comes from ``cb_ptr``, the transposed product of ``ssd_chunk_cb_both``, read along its rows
-    (reading C B^T across, as it did before, took 305 us at S1 instead of 293)."""
+    (reading C B^T across, as it did before, took 305 us at S1 instead of 293).
+
+    ``tma``: B, dS, B C^T and the targets' dy come through tensor descriptors (``bd`` over B as
+    (batch*seqlen, groups*dstate), ``dsd`` over dS as (batch*chunks*heads*headdim, dstate),
+    ``cbd`` over B C^T as (batch*chunks*groups*chunk, chunk), ``dyd`` over dy as
+    (batch*seqlen, heads*headdim)); only for EVEN launches."""
     q, io = r.chunk_size, r.tl_io
     w = Writer()
     header(w, "ssd_dx", r, f"Backward for x (and dt, D) with {heads} head(s) per program.")
     args = ["x_ptr", "b_ptr", "cb_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
     args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr", "ddtd_ptr", "L", "H", "HPG", "NC", "P", "N",
-             "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "BM: tl.constexpr",
-             "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr", "EVEN: tl.constexpr"]
+             "sxb", "sxl", "sxh", "sbb", "sbl", "sbg"] + (["bd", "dsd", "cbd", "dyd"] if tma else [])
+    args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
+             "EVEN: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_dx({', '.join(args)}):"):
         w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_bh = tl.program_id(2)",
@@ -48,7 +54,13 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
         emit_positions(w, "s", "pid_m * BM", "BM", q, even=True)
         emit_dims(w, even=True)
         w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
-        w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
+        if tma:
+            w.comment("descriptor rows: this chunk's first position, and its first B C^T row")
+            w.line(f"seq0 = bi * L + pid_c * {q}")
+            w.line(f"cb_row = ((bi * NC + pid_c) * (H // HPG) + g) * {q}")
+            w.line("b_s = bd.load([seq0 + pid_m * BM, g * N])")
+        else:
+            w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
         w.comment("targets t in tiles wholly after this row tile factor their decay through r, the")
         w.comment("last position before them:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
         w.line("dend = (pid_m * BM + BM + BK - 1) // BK * BK")
@@ -60,21 +72,24 @@ def render_dx(r: SSDRegion, heads: int = 1) -> str:
             w.line(f"cs_s_{j} = tl.load(cs_ptr + row_{j} + s, mask=in_s, other=0.0)")
             w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + rr)")
             w.line(f"cend = tl.load(cs_ptr + row_{j} + {q - 1})")
-            w.line("ds = " + state_tile("dsout_ptr", f"(bi64 * NC + pid_c) * H + {h}", True))
+            if tma:
+                w.line(f"ds = tl.trans(dsd.load([((bi * NC + pid_c) * H + {h}) * P, 0]))")
+            else:
+                w.line("ds = " + state_tile("dsout_ptr", f"(bi64 * NC + pid_c) * H + {h}", True))
             w.line(f"acc_{j} = {dot(r, 'b_s', f'ds.to({io})')} * tl.exp(cend - cs_r_{j})")
         w.comment("intra-chunk path: targets t >= s, first the tiles past r")
         with w.block(f"for k0 in range(dend, {q}, BK):"):
-            _dx_targets(w, r, heads, diagonal=False)
+            _dx_targets(w, r, heads, diagonal=False, tma=tma)
         for j in range(heads):
             w.line(f"acc_{j} = acc_{j} * tl.exp(cs_r_{j} - cs_s_{j})[:, None]")
         with w.block("for k0 in range((pid_m * BM) // BK * BK, dend, BK):"):
-            _dx_targets(w, r, heads, diagonal=True)
+            _dx_targets(w, r, heads, diagonal=True, tma=tma)
         for j in range(heads):
             _dx_epilogue(w, r, j)
     return w.source()
 
 
-def _dx_targets(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
+def _dx_targets(w: Writer, r: SSDRegion, heads: int, diagonal: bool, tma: bool = False) -> None:
     """One target tile t of dx: on the diagonal the full masked decay, past it only the targets'
     factor exp(cs_t - cs_r) (the rows' factor is applied once, before the diagonal)."""
     q = r.chunk_size
@@ -82,14 +97,20 @@ def _dx_targets(w: Writer, r: SSDRegion, heads: int, diagonal: bool) -> None:
     if diagonal:
         w.line("causal = (t[None, :] >= s[:, None]) & v_t[None, :]")
     w.comment("B_s.C_t: a tile of ssd_chunk_cb_both's transposed product, read along its rows")
-    w.line("cbt = " + cb_tile(q, "s[:, None]", "t[None, :]", "in_t[None, :] & in_s[:, None]"))
+    if tma:
+        w.line("cbt = cbd.load([cb_row + pid_m * BM, k0])")
+    else:
+        w.line("cbt = " + cb_tile(q, "s[:, None]", "t[None, :]", "in_t[None, :] & in_s[:, None]"))
     for j in range(heads):
         w.line(f"cs_t = tl.load(cs_ptr + row_{j} + t, mask=in_t, other=0.0)")
         if diagonal:
             w.line(f"wj = cbt * tl.exp(tl.where(causal, cs_t[None, :] - cs_s_{j}[:, None], {NEG}))")
         else:
             w.line(f"wj = cbt * tl.exp(cs_t - cs_r_{j})[None, :]")
-        w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", f"h0 + {j}", "v_t"))
+        if tma:
+            w.line(f"dy_t = dyd.load([seq0 + k0, (h0 + {j}) * P])")
+        else:
+            w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", f"h0 + {j}", "v_t"))
         w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'dy_t', f'acc_{j}')}")
 
 
@@ -113,8 +134,14 @@ def _dx_epilogue(w: Writer, r: SSDRegion, j: int) -> None:
     w.line(dense_store("dx_ptr", "pos_s", h, "v_s", to_io(r, "dx")))
 
 
-def render_dbc(r: SSDRegion, which: str) -> str:
-    """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows)."""
+def render_dbc(r: SSDRegion, which: str, tma: bool = False) -> str:
+    """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows).
+
+    ``tma``: every tile through a tensor descriptor (EVEN launches only): ``ownd`` and ``otherd``
+    over this side's and the other side's of B / C as (batch*seqlen, groups*dstate), ``hd`` over
+    dy (dc) or x (db) as (batch*seqlen, heads*headdim), ``sd`` over the states (S_in for dc, dS
+    for db) as (batch*chunks*heads*headdim, dstate), ``dcbd`` over the dCB parts as
+    (splits*batch*chunks*groups*chunk, chunk)."""
     if which not in ("b", "c"):
         raise ValueError("which must be 'b' or 'c'")
     q = r.chunk_size
@@ -125,9 +152,10 @@ def render_dbc(r: SSDRegion, which: str) -> str:
     args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr", "dtp_ptr", "cs_ptr",
             "sin_ptr" if which == "c" else "dsout_ptr", "dcb_ptr", "out_ptr",
             "es_ptr" if which == "c" else "v_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
-            "HS", "NS", "DS", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg",
-            "BT: tl.constexpr", "BS: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
-            "EVEN: tl.constexpr"]
+            "HS", "NS", "DS", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg"]
+    args += ["ownd", "hd", "sd", "otherd", "dcbd"] if tma else []
+    args += ["BT: tl.constexpr", "BS: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
+             "EVEN: tl.constexpr"]
     rows = "t" if which == "c" else "s"
     w.line("@triton.jit")
     with w.block(f"def {name}({', '.join(args)}):"):
@@ -136,45 +164,58 @@ def render_dbc(r: SSDRegion, which: str) -> str:
                 "bi64 = bi.to(tl.int64)", "hps = HPG // HS", "hbase = g * HPG + hs * hps")
         emit_positions(w, rows, "pid_m * BT", "BT", q, even=True)
         emit_dims(w, even=True)
-        w.line(f"{own}_r = " + seq_tile(f"{own}_ptr", f"bi64 * s{own}b + g * s{own}g", f"pos_{rows}",
-                                        f"s{own}l", "offs_n", f"v_{rows}", "m_n"))
+        if tma:
+            w.comment("descriptor rows: this chunk's first position, and its first dCB row")
+            w.lines(f"seq0 = bi * L + pid_c * {q}", f"cb_row = ((bi * NC + pid_c) * G + g) * {q}")
+            w.line(f"{own}_r = ownd.load([seq0 + pid_m * BT, g * N])")
+        else:
+            w.line(f"{own}_r = " + seq_tile(f"{own}_ptr", f"bi64 * s{own}b + g * s{own}g", f"pos_{rows}",
+                                            f"s{own}l", "offs_n", f"v_{rows}", "m_n"))
         w.line("acc = tl.zeros((BT, NP), dtype=tl.float32)")
         with w.block("for hh in range(hbase, hbase + hps):"):
             w.line(f"row = (bi64 * H + hh) * (NC * {q}) + pid_c * {q}")
             w.line(f"cs_r = tl.load(cs_ptr + row + {rows}, mask=in_{rows}, other=0.0)")
             if which == "c":
-                _dc_state_path(w, r)
+                _dc_state_path(w, r, tma)
             else:
-                _db_state_path(w, r)
-        _dbc_pairs(w, r, which, other)
+                _db_state_path(w, r, tma)
+        _dbc_pairs(w, r, which, other, tma)
         w.line(f"out = out_ptr + ((bi64 * L + pos_{rows}[:, None]) * HS + hs) * G * N + g * N"
                " + offs_n[None, :]")
         w.line(f"tl.store(out, acc, mask=v_{rows}[:, None] & m_n[None, :])")
     return w.source()
 
 
-def _dc_state_path(w: Writer, r: SSDRegion) -> None:
+def _state_row_tiles(w: Writer, name: str, tile: str, ptr: str, tma: bool) -> None:
+    """The head's (rows x headdim) tile ``name`` (``tile`` its pointer form) and its state ``st``."""
+    if tma:
+        w.lines(f"{name} = hd.load([seq0 + pid_m * BT, hh * P])",
+                "st = sd.load([((bi * NC + pid_c) * H + hh) * P, 0])")
+    else:
+        w.lines(f"{name} = {tile}", "st = " + state_tile(ptr, "(bi64 * NC + pid_c) * H + hh", False))
+
+
+def _dc_state_path(w: Writer, r: SSDRegion, tma: bool = False) -> None:
     w.comment("path through the state entering the chunk; es = exp(cs_t) dy_t.(S_in C_t)")
-    w.line("dy_t = " + dense_tile("dy_ptr", "pos_t", "hh", "v_t"))
-    w.line("st = " + state_tile("sin_ptr", "(bi64 * NC + pid_c) * H + hh", False))
+    _state_row_tiles(w, "dy_t", dense_tile("dy_ptr", "pos_t", "hh", "v_t"), "sin_ptr", tma)
     w.line(f"e = {dot(r, 'dy_t', f'st.to({r.tl_io})')} * tl.exp(cs_r)[:, None]")
     w.line("acc += e")
     w.line("tl.store(es_ptr + row + t, tl.sum(e * c_r.to(tl.float32), 1), mask=in_t)")
 
 
-def _db_state_path(w: Writer, r: SSDRegion) -> None:
+def _db_state_path(w: Writer, r: SSDRegion, tma: bool = False) -> None:
     q = r.chunk_size
     w.comment("path through the state leaving the chunk; v = dt'_s exp(cs_end - cs_s) x_s.(dS B_s)")
     w.line("dt_r = tl.load(dtp_ptr + row + s, mask=in_s, other=0.0)")
     w.line(f"cend = tl.load(cs_ptr + row + {q - 1})")
-    w.line("x_s = " + seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p", "v_s", "m_p"))
-    w.line("ds = " + state_tile("dsout_ptr", "(bi64 * NC + pid_c) * H + hh", False))
-    w.line(f"f = {dot(r, 'x_s', f'ds.to({r.tl_io})')} * (dt_r * tl.exp(cend - cs_r))[:, None]")
+    _state_row_tiles(w, "x_s", seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p",
+                                        "v_s", "m_p"), "dsout_ptr", tma)
+    w.line(f"f = {dot(r, 'x_s', f'st.to({r.tl_io})')} * (dt_r * tl.exp(cend - cs_r))[:, None]")
     w.line("acc += f")
     w.line("tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=in_s)")
 
 
-def _dbc_pairs(w: Writer, r: SSDRegion, which: str, other: str) -> None:
+def _dbc_pairs(w: Writer, r: SSDRegion, which: str, other: str, tma: bool = False) -> None:
     """Partner tiles: dCB (from ``ssd_dcb``: its NS split parts, DS apart, summed here) times the
     other side's tile; added by the first split of this kernel only."""
     q = r.chunk_size
@@ -186,6 +227,9 @@ def _dbc_pairs(w: Writer, r: SSDRegion, which: str, other: str) -> None:
     with w.block("if hs == 0:"):
         with w.block(loop):
             emit_positions(w, part, "k0", "BS", q, even=True)
+            if tma:
+                _dbc_pairs_tma(w, r, which, other)
+                return
             w.line(f"{other}_p = " + seq_tile(f"{other}_ptr", f"bi64 * s{other}b + g * s{other}g",
                                               f"pos_{part}", f"s{other}l", "offs_n", f"v_{part}", "m_n"))
             if which == "c":
@@ -196,3 +240,15 @@ def _dbc_pairs(w: Writer, r: SSDRegion, which: str, other: str) -> None:
             with w.block("for sp in range(1, NS):"):
                 w.line(f"dcb += tl.load(dcb_ptr + sp * DS + cb_base + {at}, mask={inside}, other=0.0)")
             w.line(f"acc = {dot(r, to_io(r, 'dcb'), f'{other}_p', 'acc')}")
+
+
+def _dbc_pairs_tma(w: Writer, r: SSDRegion, which: str, other: str) -> None:
+    """Body of ``_dbc_pairs``'s partner loop through the descriptors: dc reads dCB (t rows, s
+    columns) as stored, db reads (t rows, s columns) tiles and transposes them."""
+    q = r.chunk_size
+    w.line(f"{other}_p = otherd.load([seq0 + k0, g * N])")
+    at = "pid_m * BT, k0" if which == "c" else "k0, pid_m * BT"
+    w.line(f"dcb = dcbd.load([cb_row + {at}])")
+    with w.block("for sp in range(1, NS):"):
+        w.line(f"dcb += dcbd.load([sp * (DS // {q}) + cb_row + {at}])")
+    w.line(f"acc = {dot(r, to_io(r, 'dcb' if which == 'c' else 'tl.trans(dcb)'), f'{other}_p', 'acc')}")

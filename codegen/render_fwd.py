@@ -204,8 +204,14 @@ def chunk_scan_name(mode: str) -> str:
     return "ssd_chunk_scan" if mode == "forward" else "ssd_gate_backward"
 
 
-def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> str:
-    """Kernel 3 (forward output), or the backward's gate step (mode "gate_backward")."""
+def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: bool = False) -> str:
+    """Kernel 3 (forward output), or the backward's gate step (mode "gate_backward").
+
+    ``tma``: the tiles of C, of the incoming states, of C B^T and of the partners' x come through
+    tensor descriptors (``xd`` over x as (batch*seqlen, heads*headdim), ``cd`` over C as
+    (batch*seqlen, groups*dstate), ``sd`` over the states as (batch*chunks*heads*headdim, dstate),
+    ``cbd`` over C B^T as (batch*chunks*groups*chunk, chunk)); on Hopper these are TMA copies, with
+    no per-element address arithmetic.  Only for EVEN launches (no tile runs past a chunk)."""
     if mode not in CHUNK_SCAN_MODES:
         raise ValueError(f"mode must be one of {CHUNK_SCAN_MODES}")
     if mode == "gate_backward" and not r.has_z:
@@ -221,6 +227,7 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
     args += ["dtp_ptr", "cs_ptr", "sin_ptr", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
+    args += ["xd", "cd", "sd", "cbd"] if tma else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "EVEN: tl.constexpr"]
     w.line("@triton.jit")
@@ -230,20 +237,31 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward") -> st
                 "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
         emit_dims(w, even=True)
         w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
-        emit_scan_rows(w, r, heads, "pid_m * BM", mode, lambda j: state_tile(
-            "sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True), even=True)
+        if not tma:
+            emit_scan_rows(w, r, heads, "pid_m * BM", mode, lambda j: state_tile(
+                "sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True), even=True)
+            return w.source()
+        w.comment("descriptor rows: this chunk's first position, and its first C B^T row")
+        w.line(f"seq0 = bi * L + pid_c * {q}")
+        w.line(f"cb_row = ((bi * NC + pid_c) * (H // HPG) + g) * {q}")
+        emit_scan_rows(w, r, heads, "pid_m * BM", mode, lambda j: (
+            f"tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + {j}) * P, 0]))"), even=True, tma=True)
     return w.source()
 
 
 def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
-                   state: Callable[[int], str], even: bool = False) -> None:
+                   state: Callable[[int], str], even: bool = False, tma: bool = False) -> None:
     """One row tile of the chunk scan (rows ``start`` .. ``start`` + BM) for ``heads`` heads of one
     group, through the epilogue; ``state(j)`` is the text of head j's incoming state as a
     (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` and the dims' offsets; ``even``:
-    the bounds masks take the kernel's EVEN constexpr (``render_common.emit_positions``)."""
+    the bounds masks take the kernel's EVEN constexpr (``render_common.emit_positions``); ``tma``:
+    C, C B^T and x through the descriptors of ``render_chunk_scan``."""
     q = r.chunk_size
     emit_positions(w, "t", start, "BM", q, even)
-    w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
+    if tma:
+        w.line(f"c_t = cd.load([seq0 + {start}, g * N])")
+    else:
+        w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
     w.comment("tiles of partners s wholly before this row tile factor their decay through the")
     w.comment("last of them, r = off - 1:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
     w.line(f"off = ({start}) // BK * BK")
@@ -256,16 +274,17 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
         w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}')} * tl.exp(cs_r_{j})")
     w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
     with w.block("for k0 in range(0, off, BK):"):
-        chunk_scan_partners(w, r, heads, diagonal=False, even=even)
+        chunk_scan_partners(w, r, heads, diagonal=False, even=even, tma=tma, start=start)
     for j in range(heads):
         w.line(f"acc_{j} = acc_{j} * tl.exp(cs_t_{j} - cs_r_{j})[:, None]")
     with w.block(f"for k0 in range(off, {start} + BM, BK):"):
-        chunk_scan_partners(w, r, heads, diagonal=True, even=even)
+        chunk_scan_partners(w, r, heads, diagonal=True, even=even, tma=tma, start=start)
     for j in range(heads):
         chunk_scan_epilogue(w, r, j, mode)
 
 
-def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, even: bool = False) -> None:
+def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, even: bool = False,
+                        tma: bool = False, start: str = "") -> None:
     """One partner tile s of the chunk scan: on the diagonal the full masked decay, before it
     only the partners' factor exp(cs_r - cs_s) (the rows' factor is applied once, after)."""
     q = r.chunk_size
@@ -273,7 +292,10 @@ def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, eve
     t_in, s_in = inside("t", q, even), inside("s", q, even)
     if diagonal:
         w.line("causal = (t[:, None] >= s[None, :]) & v_s[None, :]")
-    w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", f"{t_in}[:, None] & {s_in}[None, :]"))
+    if tma:
+        w.line(f"cb = cbd.load([cb_row + {start}, k0])")
+    else:
+        w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", f"{t_in}[:, None] & {s_in}[None, :]"))
     for j in range(heads):
         w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask={s_in}, other=0.0)")
         w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask={s_in}, other=0.0)")
@@ -282,8 +304,11 @@ def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, eve
                    " * dt_s[None, :]")
         else:
             w.line(f"wj = cb * (tl.exp(cs_r_{j} - cs_s) * dt_s)[None, :]")
-        w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + (h0 + {j}) * sxh", "pos_s", "sxl",
-                                   "offs_p", "v_s", "m_p"))
+        if tma:
+            w.line(f"x_s = xd.load([seq0 + k0, (h0 + {j}) * P])")
+        else:
+            w.line("x_s = " + seq_tile("x_ptr", f"bi64 * sxb + (h0 + {j}) * sxh", "pos_s", "sxl",
+                                       "offs_p", "v_s", "m_p"))
         w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'x_s', f'acc_{j}')}")
 
 

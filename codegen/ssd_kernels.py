@@ -15,13 +15,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mambac.codegen import render_fused, render_fwd
+from mambac.codegen import render_fused, render_fwd, tma
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
 from mambac.codegen.render_common import even_tiles
 from mambac.codegen.streams import Branch
-from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_state_candidates,
-                                       fused_candidates, fused_fits, head_block_candidates, run_family,
+from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_scan_candidates,
+                                       chunk_state_candidates, fused_candidates, fused_fits, run_family,
                                        state_pass_candidates)
 
 CHUNK_CB = Family("ssd_chunk_cb", lambda r, c: render_fwd.render_chunk_cb(r), cb_candidates)
@@ -31,8 +31,9 @@ CHUNK_STATE = Family("ssd_chunk_state", lambda r, c: render_fwd.render_chunk_sta
                      chunk_state_candidates)
 STATE_PASS = Family("ssd_state_pass", lambda r, c: render_fwd.render_state_pass(r),
                     state_pass_candidates)
-CHUNK_SCAN = Family("ssd_chunk_scan", lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward"),
-                    head_block_candidates)
+CHUNK_SCAN = Family("ssd_chunk_scan",
+                    lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward", c.tma),
+                    chunk_scan_candidates)
 FUSED = Family(render_fused.NAME, lambda r, c: render_fused.render_fused_forward(r), fused_candidates)
 FORWARD_PATHS = ("three", "fused")
 
@@ -196,10 +197,16 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
     head = [pr.x, cb, pr.C] + ([pr.z] if r.has_z else []) + ([pr.D] if pr.D is not None else [])
 
     def launch(kern, cfg: TileConfig) -> None:
+        even = even_tiles(d, cfg.block_m, cfg.block_k)
+        descs = []
+        if cfg.tma:
+            if not even:
+                raise ValueError("the descriptor-loading chunk scan needs an EVEN launch")
+            descs = [tma.rows(pr.x, 2, (cfg.block_k, d.p)), tma.rows(pr.C, 2, (cfg.block_m, d.n)),
+                     tma.rows(sin, 4, (d.p, d.n)), tma.rows(cb, 4, (cfg.block_m, cfg.block_k))]
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
-                    head + [y, dtp, cs, sin] + scan_args(pr),
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_,
-                         EVEN=even_tiles(d, cfg.block_m, cfg.block_k)), cfg)
+                    head + [y, dtp, cs, sin] + scan_args(pr) + descs,
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
 
     run_family(CHUNK_SCAN, r, d, launch)
     return y

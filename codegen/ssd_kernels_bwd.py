@@ -27,16 +27,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd
+from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd, tma
 from mambac.codegen.kernel_ir import TileConfig
 from mambac.codegen.render_common import even_tiles
 from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, dense_out, dt_extra_args, forward_prepared,
                                         prepare, run_chunk_state, run_state_pass, scan_args, strides3,
                                         with_cb)
-from mambac.codegen.ssd_launch import (Family, cdiv, dcb_candidates, dstate_candidates, dt_backward_candidates,
-                                       dx_candidates, group_candidates, head_block_candidates, pow2, run_family,
-                                       state_pass_candidates)
+from mambac.codegen.ssd_launch import (Family, cdiv, dc_candidates, dcb_candidates, dstate_candidates,
+                                       dt_backward_candidates, dx_candidates, group_candidates,
+                                       head_block_candidates, pow2, run_family, state_pass_candidates)
 
 DSTATE = Family("ssd_chunk_dstate", lambda r, c: render_fwd.render_chunk_state(r, "dstate"),
                 dstate_candidates)
@@ -45,10 +45,11 @@ STATE_PASS_BWD = Family("ssd_state_pass_bwd", lambda r, c: render_bwd.render_sta
 GATE_BWD = Family("ssd_gate_backward",
                   lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "gate_backward"),
                   head_block_candidates)
-DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads), dx_candidates)
-DCB = Family(render_bwd_pairs.NAME, lambda r, c: render_bwd_pairs.render_dcb(r, c.heads), dcb_candidates)
-DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c"), group_candidates)
-DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b"), group_candidates)
+DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads, c.tma), dx_candidates)
+DCB = Family(render_bwd_pairs.NAME, lambda r, c: render_bwd_pairs.render_dcb(r, c.heads, c.tma),
+             dcb_candidates)
+DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c", c.tma), dc_candidates)
+DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b", c.tma), group_candidates)
 DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r, c.heads),
                 dt_backward_candidates)
 
@@ -113,9 +114,14 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
         args = [pr.x, pr.B, saved.cbt, dy] + ([pr.D, dd] if pr.D is not None else [])
         args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.B)
+        even = even_tiles(d, cfg.block_m, cfg.block_k)
+        if cfg.tma:
+            if not even:
+                raise ValueError("the descriptor-loading dx needs an EVEN launch")
+            args += [tma.rows(pr.B, 2, (cfg.block_m, d.n)), tma.rows(dsout, 4, (d.p, d.n)),
+                     tma.rows(saved.cbt, 4, (cfg.block_m, cfg.block_k)), tma.rows(dy, 2, (cfg.block_k, d.p))]
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
-                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_,
-                         EVEN=even_tiles(d, cfg.block_m, cfg.block_k)), cfg)
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return dd
 
     dd = run_family(DX, r, d, launch)
@@ -134,9 +140,16 @@ def run_dcb(pr: Prepared, dy: Tensor, saved: SSDSaved) -> tuple[Tensor, Tensor, 
         mrow = torch.empty(saved.cs.shape + (nt,), device=dy.device, dtype=torch.float32)
         mcol = torch.empty_like(mrow)
         args = [pr.x, dy, saved.dtp, saved.cs, saved.cb, dcb, mrow, mcol, d.l, d.h, d.hpg, d.g, d.nc, d.p,
-                cfg.splits, dcb[0].numel()]
-        kern.launch((nt * nt, d.nc, d.b * d.g * cfg.splits), args + strides3(pr.x),
-                    dict(BT=cfg.block_m, PP=d.pp, EVEN=even_tiles(d, cfg.block_m)), cfg)
+                cfg.splits, dcb[0].numel()] + strides3(pr.x)
+        even = even_tiles(d, cfg.block_m)
+        if cfg.tma:
+            if not even:
+                raise ValueError("the descriptor-loading dcb needs an EVEN launch")
+            bt = cfg.block_m
+            args += [tma.rows(pr.x, 2, (bt, d.p)), tma.rows(dy, 2, (bt, d.p)),
+                     tma.rows(saved.cb, 4, (bt, bt))]
+        kern.launch((nt * nt, d.nc, d.b * d.g * cfg.splits), args,
+                    dict(BT=cfg.block_m, PP=d.pp, EVEN=even), cfg)
         return dcb, mrow, mcol, cfg.block_m
 
     return run_family(DCB, pr.region, d, launch)
@@ -163,9 +176,17 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
         args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state, dcb, out, side, d.l, d.h,
                 d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, dcb.shape[0], dcb[0].numel()]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
+        even = even_tiles(d, cfg.block_m, cfg.block_k)
+        if cfg.tma:
+            if not even:
+                raise ValueError(f"the descriptor-loading d{which} needs an EVEN launch")
+            bt, bs = cfg.block_m, cfg.block_k
+            own, other = (pr.C, pr.B) if which == "c" else (pr.B, pr.C)
+            args += [tma.rows(own, 2, (bt, d.n)), tma.rows(dy if which == "c" else pr.x, 2, (bt, d.p)),
+                     tma.rows(state, 4, (d.p, d.n)), tma.rows(other, 2, (bs, d.n)),
+                     tma.rows(dcb, 5, (bt, bs) if which == "c" else (bs, bt))]
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.g * cfg.splits), args,
-                    dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_,
-                         EVEN=even_tiles(d, cfg.block_m, cfg.block_k)), cfg)
+                    dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return out
 
     out = run_family(DC if which == "c" else DB, pr.region, d, launch)

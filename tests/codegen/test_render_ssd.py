@@ -201,3 +201,44 @@ def test_region_validation():
         region(dot_precision="fast")
     assert region(chunk_size=100).chunk_pow2 == 128
     assert "softplus" in region().summary()
+
+
+def test_descriptor_chunk_scan_source_in_order():
+    """The ``tma`` chunk scan takes four descriptors and loads C, the state, C B^T and x through
+    them (no pointer tiles for those in its loops); the epilogue is the pointer form's."""
+    src = render_fwd.render_chunk_scan(region(), 1, "forward", tma=True)
+    assert_in_order(src, "xd, cd, sd, cbd, BM: tl.constexpr", "seq0 = bi * L + pid_c * 64",
+                    "c_t = cd.load([seq0 + pid_m * BM, g * N])",
+                    "st_0 = tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + 0) * P, 0]))",
+                    "for k0 in range(0, off, BK):", "cb = cbd.load([cb_row + pid_m * BM, k0])",
+                    "x_s = xd.load([seq0 + k0, (h0 + 0) * P])",
+                    "for k0 in range(off, pid_m * BM + BM, BK):", "causal = ", "cb = cbd.load(",
+                    "# epilogue of head 0", "x_t = tl.load(x_ptr", "tl.store(y_ptr")
+    assert "cb_ptr + cb_base" not in src and "tl.load(c_ptr" not in src
+    ast.parse(src)
+    assert "cbd" not in render_fwd.render_chunk_scan(region(), 1, "forward")
+
+
+def test_descriptor_backward_sources_in_order():
+    """dx, dcb, dC and dB in their ``tma`` forms load their hot tiles through descriptors."""
+    dx = render_bwd_tiles.render_dx(region(), 1, tma=True)
+    assert_in_order(dx, "bd, dsd, cbd, dyd, BM: tl.constexpr", "b_s = bd.load([seq0 + pid_m * BM, g * N])",
+                    "ds = tl.trans(dsd.load(", "for k0 in range(dend, 64, BK):",
+                    "cbt = cbd.load([cb_row + pid_m * BM, k0])", "dy_t = dyd.load([seq0 + k0, (h0 + 0) * P])",
+                    "# epilogue of head 0")
+    dcb = render_bwd_pairs.render_dcb(region(), 2, tma=True)
+    assert_in_order(dcb, "xd, dyd, cbd, BT: tl.constexpr", "if pid_k < pid_m:",
+                    "cb = cbd.load([cb_row + pid_m * BT, pid_k * BT])",
+                    "dy_t = dyd.load([seq0 + pid_m * BT, (h0 + 0) * P])",
+                    "x_s = xd.load([seq0 + pid_k * BT, (h0 + 0) * P])", "elif pid_k == pid_m:")
+    dc = render_bwd_tiles.render_dbc(region(), "c", tma=True)
+    assert_in_order(dc, "ownd, hd, sd, otherd, dcbd, BT: tl.constexpr", "c_r = ownd.load(",
+                    "dy_t = hd.load([seq0 + pid_m * BT, hh * P])", "st = sd.load(",
+                    "b_p = otherd.load([seq0 + k0, g * N])", "dcb = dcbd.load([cb_row + pid_m * BT, k0])",
+                    "for sp in range(1, NS):", "dcb += dcbd.load([sp * (DS // 64) + cb_row + pid_m * BT, k0])",
+                    "tl.store(out")
+    db = render_bwd_tiles.render_dbc(region(), "b", tma=True)
+    assert_in_order(db, "b_r = ownd.load(", "x_s = hd.load(", "c_p = otherd.load(",
+                    "dcb = dcbd.load([cb_row + k0, pid_m * BT])", "tl.trans(dcb)")
+    for src in (dx, dcb, dc, db):
+        ast.parse(src)

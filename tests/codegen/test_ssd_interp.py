@@ -215,3 +215,99 @@ def test_stacked_heads_chunk_state_matches_referee(monkeypatch, heads, g, flags,
     for name, a, b in zip(NAMES, one_grads, two_grads):
         if a is not None:
             assert rel_err(b, a) <= tol, name
+
+
+def _split_views(args, g, pad: int):
+    """x, B and C as slices of one (batch, seqlen, columns) buffer, the layout of a Mamba-2 layer's
+    conv output; ``pad`` extra columns make the row stride odd-sized (not a TMA stride)."""
+    x, B, C = args[0], args[3], args[4]
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    cols = [x.reshape(b, l, h * p), B.reshape(b, l, g * n), C.reshape(b, l, g * n)]
+    buf = torch.cat(cols + [torch.zeros(b, l, pad, dtype=x.dtype)], dim=-1)
+    x2 = buf[..., :h * p].view(b, l, h, p)
+    B2 = buf[..., h * p:h * p + g * n].view(b, l, g, n)
+    C2 = buf[..., h * p + g * n:h * p + 2 * g * n].view(b, l, g, n)
+    return [x2, *args[1:3], B2, C2, *args[5:]]
+
+
+@pytest.mark.parametrize("dtype,pad,heads", [(torch.float32, 0, 1), (torch.bfloat16, 3, 2)],
+                         ids=["fp32-views-1head", "bf16-unaligned-rows-2heads"])
+def test_descriptor_chunk_scan_matches_referee(monkeypatch, dtype, pad, heads):
+    """The chunk scan loading C, the states, C B^T and x through tensor descriptors (``tma``) on an
+    EVEN launch (two chunks of two row tiles, so both partner loops run): x, B and C are views of
+    one buffer (rows a TMA can address as they are, or, with ``pad``, copied first).  Matches the
+    referee, and the pointer-loading chunk scan to rounding."""
+    from mambac.codegen import ssd_kernels as fk
+    from mambac.codegen.kernel_ir import TileConfig
+    g = 1
+    args = _split_views(make_inputs(17, 2, 128, 4, 16, 16, g, D="head", z=True, init=True, bias=True,
+                                    dtype=dtype), g, pad)
+    q = 64
+    plain = ssd_forward(*args, chunk_size=q, dt_softplus=True)[0]
+    tile = TileConfig(block_m=32, block_k=16, heads=heads, num_warps=1, tma=True)
+    with only_tile(monkeypatch, fk, "CHUNK_SCAN", tile):
+        check(args, q, True, NOLIM, seed=4)
+        y = ssd_forward(*args, chunk_size=q, dt_softplus=True)[0]
+    assert rel_err(y, plain) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_descriptor_chunk_scan_refuses_uneven_launch(monkeypatch):
+    """The descriptor form has no bounds masks: a length that leaves a partial chunk is refused
+    with a message (autotune offers it only for EVEN launches)."""
+    from mambac.codegen import ssd_kernels as fk
+    from mambac.codegen.kernel_ir import TileConfig
+    args = make_inputs(19, 1, 40, 2, 16, 16, 1)
+    tile = TileConfig(block_m=16, block_k=16, num_warps=1, tma=True)
+    with only_tile(monkeypatch, fk, "CHUNK_SCAN", tile):
+        with pytest.raises(Exception, match="EVEN launch"):
+            ssd_forward(*args, chunk_size=32, dt_softplus=True)
+
+
+@pytest.mark.parametrize("dtype,pad,heads", [(torch.float32, 0, 1), (torch.bfloat16, 3, 2)],
+                         ids=["fp32-views-1head", "bf16-unaligned-rows-2heads"])
+def test_descriptor_dx_matches_referee(monkeypatch, dtype, pad, heads):
+    """dx loading B, dS, B C^T and dy through tensor descriptors (``tma``) on an EVEN launch (both
+    target loops run): all gradients match the referee, dx matches the pointer form's to rounding."""
+    from mambac.codegen import ssd_kernels_bwd as bk
+    from mambac.codegen.kernel_ir import TileConfig
+    g = 1
+    args = _split_views(make_inputs(23, 2, 128, 4, 16, 16, g, D="head_dim", z=True, init=True,
+                                    bias=True, dtype=dtype), g, pad)
+    q = 64
+    gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(6)).to(dtype)
+    plain = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    tile = TileConfig(block_m=32, block_k=16, heads=heads, num_warps=1, tma=True)
+    with only_tile(monkeypatch, bk, "DX", tile):
+        check(args, q, True, NOLIM, seed=8)
+        grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    for name, a, b in zip(NAMES, plain, grads):
+        if a is not None:
+            assert rel_err(b, a) <= (1e-6 if dtype == torch.float32 else 1e-2), name
+
+
+@pytest.mark.parametrize("dtype,pad", [(torch.float32, 0), (torch.bfloat16, 3)],
+                         ids=["fp32-views", "bf16-unaligned-rows"])
+def test_descriptor_dcb_dc_db_match_referee(monkeypatch, dtype, pad):
+    """dcb, dC and dB loading their tiles through tensor descriptors (``tma``), with the group's
+    heads in two splits (so dC / dB add two dCB parts), on an EVEN launch: every gradient matches
+    the referee, and the pointer forms' to rounding."""
+    from mambac.codegen import ssd_kernels_bwd as bk
+    from mambac.codegen.kernel_ir import TileConfig
+    g = 2
+    args = _split_views(make_inputs(29, 2, 128, 8, 16, 16, g, D="head", init=True, bias=True,
+                                    dtype=dtype), g, pad)
+    q = 64
+    gy = torch.randn(2, 128, 8, 16, generator=torch.Generator().manual_seed(9)).to(dtype)
+    plain = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(only_tile(monkeypatch, bk, "DCB", TileConfig(block_m=16, heads=2, splits=2,
+                                                                         num_warps=1, tma=True)))
+        for fam, bs in (("DC", 32), ("DB", 16)):
+            stack.enter_context(only_tile(monkeypatch, bk, fam, TileConfig(block_m=16, block_k=bs, splits=2,
+                                                                           num_warps=1, tma=True)))
+        check(args, q, True, NOLIM, seed=10)
+        grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    for name, a, b in zip(NAMES, plain, grads):
+        if a is not None:
+            assert rel_err(b, a) <= (1e-6 if dtype == torch.float32 else 1e-2), name
