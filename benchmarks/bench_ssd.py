@@ -314,7 +314,8 @@ def time_parts(cg, shape: dict) -> None:
 
 
 # TileConfig fields of tiles to try beside the candidate lists, by family (benchmarks/NOTES_ssd.md):
-# none pending; the last ones (v11), dcb / dB at three stages with descriptors, were slower
+# none pending; the last ones (v11: descriptor forms of dcb / dB at three stages, of dcb without
+# its register cap or at 128, of dx uncapped, a 128-row chunk scan) were slower than the candidates
 VARIANTS: dict = {}
 
 

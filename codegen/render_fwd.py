@@ -35,17 +35,20 @@ def chunk_state_name(mode: str) -> str:
     return "ssd_chunk_state" if mode == "forward" else "ssd_chunk_dstate"
 
 
-def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1) -> str:
+def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1, tma: bool = False) -> str:
     """Kernel 1 (forward) or the backward's per-chunk dstate reduction (mode "dstate"); with
     ``heads`` > 1 the forward's form that stacks several heads of a group per program
-    (``render_state_heads``)."""
+    (``render_state_heads``).  ``tma``: the x (or dy) and B (or C) tiles through tensor
+    descriptors ``xd`` / ``bd`` (dstate: ``dyd`` / ``cd``), x and dy as (batch*seqlen,
+    heads*headdim), B and C as (batch*seqlen, groups*dstate); only for launches whose step blocks
+    stay inside the sequence's chunks (EVEN)."""
     if mode not in CHUNK_STATE_MODES:
         raise ValueError(f"mode must be one of {CHUNK_STATE_MODES}")
     if heads > 1:
         if mode != "forward":
             raise ValueError("only the forward's chunk states stack several heads per program")
         from mambac.codegen.render_state_heads import render_chunk_state_heads  # it uses this module
-        return render_chunk_state_heads(r, heads)
+        return render_chunk_state_heads(r, heads, tma)
     fwd = mode == "forward"
     name, q = chunk_state_name(mode), r.chunk_size
     w = Writer()
@@ -59,6 +62,7 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1) -> s
     else:
         args = ["dy_ptr", "c_ptr", "cs_ptr", "dst_ptr", "L", "H", "HPG", "NC", "P", "N",
                 "scb", "scl", "scg"]
+    args += (["xd", "bd"] if fwd else ["dyd", "cd"]) if tma else []
     args += ["BT: tl.constexpr", "BP: tl.constexpr", "NP: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def {name}({', '.join(args)}):"):
@@ -68,6 +72,8 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1) -> s
                 "offs_n = tl.arange(0, NP)", "m_n = offs_n < N",
                 f"row = (bi64 * H + h) * (NC * {q}) + pid_c * {q}",
                 "acc = tl.zeros((BP, NP), dtype=tl.float32)")
+        if tma:
+            w.line(f"seq0 = bi * L + pid_c * {q}  # descriptor row of this chunk's first position")
         if fwd:
             w.line("a = tl.load(a_ptr + h).to(tl.float32)")
             load_bias(w, r, "h")
@@ -76,20 +82,21 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1) -> s
         with w.block(f"for k0 in range(0, {q}, BT):"):
             emit_positions(w, "s", "k0", "BT", q)
             if fwd:
-                chunk_state_block(w, r, q)
+                chunk_state_block(w, r, q, tma=tma)
             else:
-                chunk_dstate_block(w, r, q)
+                chunk_dstate_block(w, r, q, tma)
         out = "states_ptr" if fwd else "dst_ptr"
         w.line(f"tl.store({out} + ((bi64 * NC + pid_c) * H + h) * P * N + offs_p[:, None] * N"
                " + offs_n[None, :], acc, mask=m_p[:, None] & m_n[None, :])")
     return w.source()
 
 
-def chunk_state_block(w: Writer, r: SSDRegion, q: int, stacked: bool = False) -> None:
+def chunk_state_block(w: Writer, r: SSDRegion, q: int, stacked: bool = False, tma: bool = False) -> None:
     """One block of BT steps of a chunk's state: dt prologue, the running dA cumsum (stored where
     ``lim`` allows), and the rescaled x^T (B w).  ``stacked``: the (heads x steps) form of
     ``render_state_heads``, whose x rows are several heads' stacked (per-head values spread over
-    their rows by ``_rows``; every block stores dt' and the cumsum)."""
+    their rows by ``_rows``; every block stores dt' and the cumsum).  ``tma``: x and B through
+    the descriptors ``xd`` and ``bd`` (the stacked heads are adjacent columns of x's rows)."""
     if stacked:
         w.line("d = tl.load(dt_ptr + bi64 * sdb + pos_s[None, :] * sdl + (h0 + hh)[:, None] * sdh, "
                "mask=v_s[None, :], other=0.0).to(tl.float32)")
@@ -110,8 +117,13 @@ def chunk_state_block(w: Writer, r: SSDRegion, q: int, stacked: bool = False) ->
     w.line(f"d = tl.where({valid}, {dt_call(r, 'd')}, 0.0)")
     w.lines(f"da = d * {a}", f"cs = {run} + tl.cumsum(da, {ax})", f"end = run + tl.sum(da, {ax})",
             f"tl.store(dtp_ptr + {at}, d, mask={keep})", f"tl.store(cs_ptr + {at}, cs, mask={keep})")
+    if tma:
+        x_s = "tl.trans(xd.load([seq0 + k0, " + ("h0 * P]))" if stacked else "h * P + pid_p * BP]))")
     w.line("x_s = " + x_s)
-    w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
+    if tma:
+        w.line("b_s = bd.load([seq0 + k0, g * N])")
+    else:
+        w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
     w.comment("the step weights scale x (rows x BT), not the larger B tile, which goes to the dot as loaded")
     w.line("xw = " + to_io(r, f"x_s.to(tl.float32) * {weight}"))
     w.comment("rescale what earlier blocks added to this block's end, then add this block")
@@ -119,11 +131,15 @@ def chunk_state_block(w: Writer, r: SSDRegion, q: int, stacked: bool = False) ->
     w.line("run = end")
 
 
-def chunk_dstate_block(w: Writer, r: SSDRegion, q: int) -> None:
+def chunk_dstate_block(w: Writer, r: SSDRegion, q: int, tma: bool = False) -> None:
     w.line(f"cs = tl.load(cs_ptr + row + s, mask=s < {q}, other=0.0)")
-    w.line("dy_s = tl.load(dy_ptr + ((bi64 * L + pos_s[None, :]) * H + h) * P + offs_p[:, None], "
-           "mask=v_s[None, :] & m_p[:, None], other=0.0)")
-    w.line("c_s = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_s", "scl", "offs_n", "v_s", "m_n"))
+    if tma:
+        w.lines("dy_s = tl.trans(dyd.load([seq0 + k0, h * P + pid_p * BP]))",
+                "c_s = cd.load([seq0 + k0, g * N])")
+    else:
+        w.line("dy_s = tl.load(dy_ptr + ((bi64 * L + pos_s[None, :]) * H + h) * P + offs_p[:, None], "
+               "mask=v_s[None, :] & m_p[:, None], other=0.0)")
+        w.line("c_s = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_s", "scl", "offs_n", "v_s", "m_n"))
     w.line("dyw = " + to_io(r, "dy_s.to(tl.float32) * tl.exp(cs)[None, :]"))
     w.line("acc = " + dot(r, "dyw", "c_s", "acc"))
 

@@ -32,9 +32,9 @@ def emit_rows_helper(w: Writer) -> None:
     w.lines("", "")
 
 
-def render_chunk_state_heads(r: SSDRegion, heads: int) -> str:
+def render_chunk_state_heads(r: SSDRegion, heads: int, tma: bool = False) -> str:
     """``ssd_chunk_state`` for ``heads`` heads per program; grid (chunks, batch * heads /
-    ``heads``), BP the padded headdim."""
+    ``heads``), BP the padded headdim; ``tma`` as ``render_fwd.render_chunk_state``'s."""
     q = r.chunk_size
     w = Writer()
     header(w, "ssd_chunk_state", r, f"Per-chunk state for {heads} heads per program: prologue + dA "
@@ -43,7 +43,8 @@ def render_chunk_state_heads(r: SSDRegion, heads: int) -> str:
     emit_rows_helper(w)
     args = ["x_ptr", "dt_ptr", "a_ptr", "b_ptr"] + dt_args(r) + ["states_ptr", "dtp_ptr", "cs_ptr"]
     args += ["L", "H", "HPG", "NC", "P", "N", "sxb", "sxl", "sxh", "sdb", "sdl", "sdh",
-             "sbb", "sbl", "sbg", "BT: tl.constexpr", "BP: tl.constexpr", "NP: tl.constexpr"]
+             "sbb", "sbl", "sbg"] + (["xd", "bd"] if tma else [])
+    args += ["BT: tl.constexpr", "BP: tl.constexpr", "NP: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_chunk_state({', '.join(args)}):"):
         w.lines("pid_c = tl.program_id(0)", "pid_bh = tl.program_id(1)",
@@ -55,12 +56,14 @@ def render_chunk_state_heads(r: SSDRegion, heads: int) -> str:
                 f"row = (bi64 * H + h0 + hh) * (NC * {q}) + pid_c * {q}",
                 f"acc = tl.zeros(({heads} * BP, NP), dtype=tl.float32)",
                 "a = tl.load(a_ptr + h0 + hh).to(tl.float32)")
+        if tma:
+            w.line(f"seq0 = (pid_bh // (H // {heads})) * L + pid_c * {q}  # descriptor row of the chunk")
         if r.has_dt_bias:
             w.line("bias = tl.load(bias_ptr + h0 + hh).to(tl.float32)[:, None]")
         w.line("run = a * 0.0  # per head: cumsum of dA before this block")
         with w.block(f"for k0 in range(0, {q}, BT):"):
             emit_positions(w, "s", "k0", "BT", q)
-            chunk_state_block(w, r, q, stacked=True)
+            chunk_state_block(w, r, q, stacked=True, tma=tma)
         w.line("tl.store(states_ptr + ((bi64 * NC + pid_c) * H + h0) * P * N + (r_h * P + r_p)[:, None] * N"
                " + offs_n[None, :], acc, mask=m_r[:, None] & m_n[None, :])")
     return w.source()

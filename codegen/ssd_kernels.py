@@ -27,7 +27,8 @@ from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_
 CHUNK_CB = Family("ssd_chunk_cb", lambda r, c: render_fwd.render_chunk_cb(r), cb_candidates)
 CHUNK_CB_BOTH = Family(render_fwd.chunk_cb_name(True), lambda r, c: render_fwd.render_chunk_cb(r, True),
                        cb_candidates)
-CHUNK_STATE = Family("ssd_chunk_state", lambda r, c: render_fwd.render_chunk_state(r, "forward", c.heads),
+CHUNK_STATE = Family("ssd_chunk_state",
+                     lambda r, c: render_fwd.render_chunk_state(r, "forward", c.heads, c.tma),
                      chunk_state_candidates)
 STATE_PASS = Family("ssd_state_pass", lambda r, c: render_fwd.render_state_pass(r),
                     state_pass_candidates)
@@ -135,6 +136,11 @@ def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
     def launch(kern, cfg: TileConfig) -> None:
         args = [pr.x, pr.dt, pr.A, pr.B] + dt_extra_args(pr) + [states, dtp, cs, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.dt) + strides3(pr.B)
+        if cfg.tma:
+            if not even_tiles(d, cfg.block_m, cfg.block_k):
+                raise ValueError("the descriptor-loading chunk state needs an EVEN launch")
+            args += [tma.rows(pr.x, 2, (cfg.block_k, cfg.heads * cfg.block_m)),
+                     tma.rows(pr.B, 2, (cfg.block_k, d.n))]
         kern.launch((d.nc, d.b * d.h // cfg.heads, cdiv(d.p, cfg.block_m)), args,
                     dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg)
 

@@ -38,7 +38,7 @@ from mambac.codegen.ssd_launch import (Family, cdiv, dc_candidates, dcb_candidat
                                        dt_backward_candidates, dx_candidates, group_candidates,
                                        head_block_candidates, pow2, run_family, state_pass_candidates)
 
-DSTATE = Family("ssd_chunk_dstate", lambda r, c: render_fwd.render_chunk_state(r, "dstate"),
+DSTATE = Family("ssd_chunk_dstate", lambda r, c: render_fwd.render_chunk_state(r, "dstate", 1, c.tma),
                 dstate_candidates)
 STATE_PASS_BWD = Family("ssd_state_pass_bwd", lambda r, c: render_bwd.render_state_pass_bwd(r),
                         state_pass_candidates)
@@ -75,8 +75,12 @@ def run_dstate(pr: Prepared, dy: Tensor, cs: Tensor) -> Tensor:
     dst = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dy.device, dtype=torch.float32)
 
     def launch(kern, cfg: TileConfig) -> None:
-        kern.launch((d.nc, d.b * d.h, cdiv(d.p, cfg.block_m)),
-                    [dy, pr.C, cs, dst, d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.C),
+        args = [dy, pr.C, cs, dst, d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.C)
+        if cfg.tma:
+            if not even_tiles(d, cfg.block_m, cfg.block_k):
+                raise ValueError("the descriptor-loading dstate needs an EVEN launch")
+            args += [tma.rows(dy, 2, (cfg.block_k, cfg.block_m)), tma.rows(pr.C, 2, (cfg.block_k, d.n))]
+        kern.launch((d.nc, d.b * d.h, cdiv(d.p, cfg.block_m)), args,
                     dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg)
 
     run_family(DSTATE, pr.region, d, launch)

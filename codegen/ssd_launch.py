@@ -179,11 +179,12 @@ def chunk_state_candidates(d: Dims) -> list[TileConfig]:
         return [TileConfig(block_m=d.pp, block_k=16, num_warps=1)]
     # H200, S1 / S2 (us): 32 steps 99 / 143, 64 steps 115 / 161; a 32-wide headdim tile 190 / 257;
     # two heads stacked, 64 steps, 3 stages 89 / 126 (v9: 32 steps 103 / 142, four heads at 8
-    # warps 113 / 157, at 4 warps 205-254 / 280-346)
+    # warps 113 / 157, at 4 warps 205-254 / 280-346); with descriptors (v11) 82.0 / 118.4, one
+    # head 64 steps 81.6 / 124.2
     bp = min(d.pp, 64)
-    return _stacked_heads(d, ((64, 4, 3), (64, 4, 4))) + [
+    return with_descriptors(d, _stacked_heads(d, ((64, 4, 3), (64, 4, 4))) + [
         TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
-        TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3)]
+        TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3)])
 
 
 def fused_fits(d: Dims) -> bool:
@@ -209,9 +210,10 @@ def dstate_candidates(d: Dims) -> list[TileConfig]:
         return chunk_state_candidates(d)
     bp = min(d.pp, 64)
     # two heads stacked per program (as the forward's chunk states, v9): 73-76 / 98-104 us at
-    # 64 or 32 steps, 4 or 8 warps, against 70 / 95 for one head: not kept
-    return [TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
-            TileConfig(block_m=bp, block_k=64, num_warps=8, num_stages=2)]
+    # 64 or 32 steps, 4 or 8 warps, against 70 / 95 for one head: not kept; with descriptors
+    # (v11) 68.0 / 93.6 against 69.9 / 95.8
+    return with_descriptors(d, [TileConfig(block_m=bp, block_k=32, num_warps=4, num_stages=4),
+                                TileConfig(block_m=bp, block_k=64, num_warps=8, num_stages=2)])
 
 
 def cb_candidates(d: Dims) -> list[TileConfig]:

@@ -311,3 +311,34 @@ def test_descriptor_dcb_dc_db_match_referee(monkeypatch, dtype, pad):
     for name, a, b in zip(NAMES, plain, grads):
         if a is not None:
             assert rel_err(b, a) <= (1e-6 if dtype == torch.float32 else 1e-2), name
+
+
+@pytest.mark.parametrize("dtype,pad,heads", [(torch.float32, 0, 1), (torch.bfloat16, 3, 2)],
+                         ids=["fp32-views-1head", "bf16-unaligned-rows-2heads"])
+def test_descriptor_chunk_state_and_dstate_match_referee(monkeypatch, dtype, pad, heads):
+    """The forward's chunk states (one head per program, or two stacked) and the backward's dstate
+    loading x / dy and B / C through tensor descriptors (``tma``) on an EVEN launch: the forward
+    and every gradient match the referee, and the pointer forms' to rounding."""
+    from mambac.codegen import ssd_kernels as fk
+    from mambac.codegen import ssd_kernels_bwd as bk
+    from mambac.codegen.kernel_ir import TileConfig
+    g = 1
+    args = _split_views(make_inputs(31, 2, 128, 4, 16, 16, g, D="head", init=True, bias=True,
+                                    dtype=dtype), g, pad)
+    q = 64
+    gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(12)).to(dtype)
+    plain_y = ssd_forward(*args, chunk_size=q, dt_softplus=True)
+    plain = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(only_tile(monkeypatch, fk, "CHUNK_STATE", TileConfig(
+            block_m=16, block_k=16, heads=heads, num_warps=1, tma=True)))
+        stack.enter_context(only_tile(monkeypatch, bk, "DSTATE", TileConfig(
+            block_m=16, block_k=32, num_warps=1, tma=True)))
+        check(args, q, True, NOLIM, seed=14)
+        y = ssd_forward(*args, chunk_size=q, dt_softplus=True)
+        grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(y[0], plain_y[0]) <= tol and rel_err(y[1], plain_y[1]) <= tol
+    for name, a, b in zip(NAMES, plain, grads):
+        if a is not None:
+            assert rel_err(b, a) <= tol, name
