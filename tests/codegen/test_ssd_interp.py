@@ -201,18 +201,26 @@ def test_stacked_heads_chunk_state_matches_referee(monkeypatch, heads, g, flags,
     from mambac.codegen import ssd_kernels as fk
     from mambac.codegen.kernel_ir import TileConfig
     args = make_inputs(13, 2, 45, 8, 6, 8, g, dtype=dtype, **flags)
-    q = 16
-    one = ssd_forward(*args, chunk_size=q, dt_softplus=True)
-    gy = torch.randn(one[0].shape, generator=torch.Generator().manual_seed(5)).to(dtype)
-    one_grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    gy = torch.randn(2, 45, 8, 6, generator=torch.Generator().manual_seed(5)).to(dtype)
     stacked = TileConfig(block_m=8, block_k=8, heads=heads, num_warps=1)
-    with only_tile(monkeypatch, fk, "CHUNK_STATE", stacked):
-        check(args, q, True, NOLIM)
-        two = ssd_forward(*args, chunk_size=q, dt_softplus=True)
-        two_grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    _with_tiles_matches(monkeypatch, args, 16, gy, [(fk, "CHUNK_STATE", stacked)], seed=0)
+
+
+def _with_tiles_matches(monkeypatch, args, q, gy, tiles, seed):
+    """Under ``tiles`` ((module, family, TileConfig) triples, each launched alone): forward and
+    gradients match the referee (``check``), and the default tiles' results to rounding."""
+    dtype = args[0].dtype
+    base_y = ssd_forward(*args, chunk_size=q, dt_softplus=True)
+    base = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    with contextlib.ExitStack() as stack:
+        for module, family, tile in tiles:
+            stack.enter_context(only_tile(monkeypatch, module, family, tile))
+        check(args, q, True, NOLIM, seed=seed)
+        y = ssd_forward(*args, chunk_size=q, dt_softplus=True)
+        grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert rel_err(two[0], one[0]) <= tol and rel_err(two[1], one[1]) <= tol
-    for name, a, b in zip(NAMES, one_grads, two_grads):
+    assert rel_err(y[0], base_y[0]) <= tol and rel_err(y[1], base_y[1]) <= tol
+    for name, a, b in zip(NAMES, base, grads):
         if a is not None:
             assert rel_err(b, a) <= tol, name
 
@@ -240,16 +248,11 @@ def test_descriptor_chunk_scan_matches_referee(monkeypatch, dtype, pad, heads):
     referee, and the pointer-loading chunk scan to rounding."""
     from mambac.codegen import ssd_kernels as fk
     from mambac.codegen.kernel_ir import TileConfig
-    g = 1
-    args = _split_views(make_inputs(17, 2, 128, 4, 16, 16, g, D="head", z=True, init=True, bias=True,
-                                    dtype=dtype), g, pad)
-    q = 64
-    plain = ssd_forward(*args, chunk_size=q, dt_softplus=True)[0]
+    args = _split_views(make_inputs(17, 2, 128, 4, 16, 16, 1, D="head", z=True, init=True, bias=True,
+                                    dtype=dtype), 1, pad)
+    gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
     tile = TileConfig(block_m=32, block_k=16, heads=heads, num_warps=1, tma=True)
-    with only_tile(monkeypatch, fk, "CHUNK_SCAN", tile):
-        check(args, q, True, NOLIM, seed=4)
-        y = ssd_forward(*args, chunk_size=q, dt_softplus=True)[0]
-    assert rel_err(y, plain) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    _with_tiles_matches(monkeypatch, args, 64, gy, [(fk, "CHUNK_SCAN", tile)], seed=4)
 
 
 def test_descriptor_chunk_scan_refuses_uneven_launch(monkeypatch):
@@ -271,19 +274,11 @@ def test_descriptor_dx_matches_referee(monkeypatch, dtype, pad, heads):
     target loops run): all gradients match the referee, dx matches the pointer form's to rounding."""
     from mambac.codegen import ssd_kernels_bwd as bk
     from mambac.codegen.kernel_ir import TileConfig
-    g = 1
-    args = _split_views(make_inputs(23, 2, 128, 4, 16, 16, g, D="head_dim", z=True, init=True,
-                                    bias=True, dtype=dtype), g, pad)
-    q = 64
+    args = _split_views(make_inputs(23, 2, 128, 4, 16, 16, 1, D="head_dim", z=True, init=True,
+                                    bias=True, dtype=dtype), 1, pad)
     gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(6)).to(dtype)
-    plain = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
     tile = TileConfig(block_m=32, block_k=16, heads=heads, num_warps=1, tma=True)
-    with only_tile(monkeypatch, bk, "DX", tile):
-        check(args, q, True, NOLIM, seed=8)
-        grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
-    for name, a, b in zip(NAMES, plain, grads):
-        if a is not None:
-            assert rel_err(b, a) <= (1e-6 if dtype == torch.float32 else 1e-2), name
+    _with_tiles_matches(monkeypatch, args, 64, gy, [(bk, "DX", tile)], seed=8)
 
 
 @pytest.mark.parametrize("dtype,pad", [(torch.float32, 0), (torch.bfloat16, 3)],
@@ -297,20 +292,11 @@ def test_descriptor_dcb_dc_db_match_referee(monkeypatch, dtype, pad):
     g = 2
     args = _split_views(make_inputs(29, 2, 128, 8, 16, 16, g, D="head", init=True, bias=True,
                                     dtype=dtype), g, pad)
-    q = 64
     gy = torch.randn(2, 128, 8, 16, generator=torch.Generator().manual_seed(9)).to(dtype)
-    plain = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(only_tile(monkeypatch, bk, "DCB", TileConfig(block_m=16, heads=2, splits=2,
-                                                                         num_warps=1, tma=True)))
-        for fam, bs in (("DC", 32), ("DB", 16)):
-            stack.enter_context(only_tile(monkeypatch, bk, fam, TileConfig(block_m=16, block_k=bs, splits=2,
-                                                                           num_warps=1, tma=True)))
-        check(args, q, True, NOLIM, seed=10)
-        grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
-    for name, a, b in zip(NAMES, plain, grads):
-        if a is not None:
-            assert rel_err(b, a) <= (1e-6 if dtype == torch.float32 else 1e-2), name
+    tiles = [(bk, "DCB", TileConfig(block_m=16, heads=2, splits=2, num_warps=1, tma=True))]
+    tiles += [(bk, fam, TileConfig(block_m=16, block_k=bs, splits=2, num_warps=1, tma=True))
+              for fam, bs in (("DC", 32), ("DB", 16))]
+    _with_tiles_matches(monkeypatch, args, 64, gy, tiles, seed=10)
 
 
 @pytest.mark.parametrize("dtype,pad,heads", [(torch.float32, 0, 1), (torch.bfloat16, 3, 2)],
@@ -322,23 +308,9 @@ def test_descriptor_chunk_state_and_dstate_match_referee(monkeypatch, dtype, pad
     from mambac.codegen import ssd_kernels as fk
     from mambac.codegen import ssd_kernels_bwd as bk
     from mambac.codegen.kernel_ir import TileConfig
-    g = 1
-    args = _split_views(make_inputs(31, 2, 128, 4, 16, 16, g, D="head", init=True, bias=True,
-                                    dtype=dtype), g, pad)
-    q = 64
+    args = _split_views(make_inputs(31, 2, 128, 4, 16, 16, 1, D="head", init=True, bias=True,
+                                    dtype=dtype), 1, pad)
     gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(12)).to(dtype)
-    plain_y = ssd_forward(*args, chunk_size=q, dt_softplus=True)
-    plain = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(only_tile(monkeypatch, fk, "CHUNK_STATE", TileConfig(
-            block_m=16, block_k=16, heads=heads, num_warps=1, tma=True)))
-        stack.enter_context(only_tile(monkeypatch, bk, "DSTATE", TileConfig(
-            block_m=16, block_k=32, num_warps=1, tma=True)))
-        check(args, q, True, NOLIM, seed=14)
-        y = ssd_forward(*args, chunk_size=q, dt_softplus=True)
-        grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert rel_err(y[0], plain_y[0]) <= tol and rel_err(y[1], plain_y[1]) <= tol
-    for name, a, b in zip(NAMES, plain, grads):
-        if a is not None:
-            assert rel_err(b, a) <= tol, name
+    tiles = [(fk, "CHUNK_STATE", TileConfig(block_m=16, block_k=16, heads=heads, num_warps=1, tma=True)),
+             (bk, "DSTATE", TileConfig(block_m=16, block_k=32, num_warps=1, tma=True))]
+    _with_tiles_matches(monkeypatch, args, 64, gy, tiles, seed=14)
