@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from mambac.codegen.autotune import interpreting
+from mambac.knobs import knobs
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,9 +28,10 @@ def _descriptor_class() -> Any:
 
 
 def available() -> bool:
-    """Whether descriptor-loading kernels can run here: a Triton with host tensor descriptors and
-    either the interpreter or the current CUDA device at compute capability 9.0 or above."""
-    if _descriptor_class() is None:
+    """Whether descriptor-loading kernels can run here: ``MAMBAC_TMA`` not 0, a Triton with host
+    tensor descriptors, and either the interpreter or the current CUDA device at compute
+    capability 9.0 or above."""
+    if not knobs().tma or _descriptor_class() is None:
         return False
     if interpreting():
         return True

@@ -38,6 +38,7 @@ class Knobs:
     progress: str = "auto"         # MAMBAC_PROGRESS: auto (bars on a terminal) | 1 (always) | 0 (never)
     direct_launch: bool = True     # MAMBAC_DIRECT_LAUNCH: repeat launches skip Triton's dispatch (0: never)
     ssd_streams: bool = True       # MAMBAC_SSD_STREAMS: independent SSD launches on a second CUDA stream (0: one stream)
+    tma: bool = True               # MAMBAC_TMA: SSD kernels may load tiles through tensor descriptors (0: never)
 
 
 def _from_env() -> Knobs:
@@ -53,6 +54,7 @@ def _from_env() -> Knobs:
         progress=(os.environ.get("MAMBAC_PROGRESS") or "auto").strip().lower(),
         direct_launch=_flag("MAMBAC_DIRECT_LAUNCH", default=True),
         ssd_streams=_flag("MAMBAC_SSD_STREAMS", default=True),
+        tma=_flag("MAMBAC_TMA", default=True),
     )
 
 

@@ -57,3 +57,14 @@ def test_tile_config_tma_field_round_trips():
 def test_rows_tma_cannot_load_are_refused():
     with pytest.raises(ValueError, match="not a multiple of 16 bytes"):
         tma.rows(torch.zeros(4, 6, dtype=torch.bfloat16), 1, (4, 8))
+
+
+def test_knob_turns_descriptor_forms_off(monkeypatch):
+    """``MAMBAC_TMA=0`` (here through ``knobs.override``) takes the descriptor forms out even where
+    they could run (the interpreter)."""
+    from mambac import knobs
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tma.available()
+    with knobs.override(tma=False):
+        assert not tma.available()
+    assert tma.available()
