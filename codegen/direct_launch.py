@@ -5,9 +5,10 @@ the options and looks the compiled kernel up on every call.  A generated kernel 
 times per training step with arguments of the same kinds, so after the first launch through
 Triton, ``DirectLaunches`` keeps the compiled kernel under a key at least as fine as what Triton
 specialises on (dtype and 16-byte alignment of each tensor, each scalar's value, each tensor
-descriptor's dtype, sizes, strides and block, the constexprs, the launch options and the device) and later launches with the same key call its launcher
-directly.  Any argument of another kind, a launch hook installed in Triton (profilers), the
-interpreter or ``MAMBAC_DIRECT_LAUNCH=0`` sends the call through Triton's path instead.
+descriptor's dtype, sizes, strides and block, the constexprs, the launch options and the device)
+and later launches with the same key call its launcher directly.  Any argument of another kind,
+a launch hook installed in Triton (profilers), the interpreter or ``MAMBAC_DIRECT_LAUNCH=0``
+sends the call through Triton's path instead.
 """
 from __future__ import annotations
 

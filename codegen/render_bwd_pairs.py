@@ -17,7 +17,8 @@ both the dC and the dB kernel, for every partner tile of each).
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import NEG, dense_tile, dot, emit_positions, header, seq_tile
+from mambac.codegen.render_common import (NEG, dense_tile, dot, emit_descriptor_rows, emit_positions,
+                                          header, seq_tile)
 from mambac.codegen.render_fwd import cb_tile
 from mambac.codegen.writer import Writer
 
@@ -48,8 +49,7 @@ def render_dcb(r: SSDRegion, unroll: int = 1, tma: bool = False) -> str:
         w.lines(f"cb_base = ((bi64 * NC + pid_c) * G + g) * {q * q}",
                 "inside = in_t[:, None] & in_s[None, :]")
         if tma:
-            w.comment("descriptor rows: this chunk's first position, and its first C B^T row")
-            w.lines(f"seq0 = bi * L + pid_c * {q}", f"cb_row = ((bi * NC + pid_c) * G + g) * {q}")
+            emit_descriptor_rows(w, q, "G")
         w.comment("below the diagonal the decay factors through r, the s tile's last position:")
         w.comment("exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
         for diagonal, cond in ((False, "if pid_k < pid_m:"), (True, "elif pid_k == pid_m:")):

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_fwd import cb_tile
-from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, emit_dims,
-                                          emit_positions, header, seq_tile, state_tile, to_io)
+from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, emit_descriptor_rows,
+                                          emit_dims, emit_positions, header, seq_tile, state_tile, to_io)
 from mambac.codegen.writer import Writer
 
 
@@ -53,13 +53,11 @@ def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False) -> str:
                 f"h0 = (pid_bh % (H // {heads})) * {heads}", "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
         emit_positions(w, "s", "pid_m * BM", "BM", q, even=True)
         emit_dims(w, even=True)
-        w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
         if tma:
-            w.comment("descriptor rows: this chunk's first position, and its first B C^T row")
-            w.line(f"seq0 = bi * L + pid_c * {q}")
-            w.line(f"cb_row = ((bi * NC + pid_c) * (H // HPG) + g) * {q}")
+            emit_descriptor_rows(w, q, "(H // HPG)")
             w.line("b_s = bd.load([seq0 + pid_m * BM, g * N])")
         else:
+            w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
             w.line("b_s = " + seq_tile("b_ptr", "bi64 * sbb + g * sbg", "pos_s", "sbl", "offs_n", "v_s", "m_n"))
         w.comment("targets t in tiles wholly after this row tile factor their decay through r, the")
         w.comment("last position before them:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
@@ -165,8 +163,7 @@ def render_dbc(r: SSDRegion, which: str, tma: bool = False) -> str:
         emit_positions(w, rows, "pid_m * BT", "BT", q, even=True)
         emit_dims(w, even=True)
         if tma:
-            w.comment("descriptor rows: this chunk's first position, and its first dCB row")
-            w.lines(f"seq0 = bi * L + pid_c * {q}", f"cb_row = ((bi * NC + pid_c) * G + g) * {q}")
+            emit_descriptor_rows(w, q, "G")
             w.line(f"{own}_r = ownd.load([seq0 + pid_m * BT, g * N])")
         else:
             w.line(f"{own}_r = " + seq_tile(f"{own}_ptr", f"bi64 * s{own}b + g * s{own}g", f"pos_{rows}",
@@ -223,32 +220,36 @@ def _dbc_pairs(w: Writer, r: SSDRegion, which: str, other: str, tma: bool = Fals
     loop = ("for k0 in range(0, pid_m * BT + BT, BS):" if which == "c"
             else f"for k0 in range((pid_m * BT) // BS * BS, {q}, BS):")
     w.comment("intra-chunk path: " + ("sources s <= t" if which == "c" else "targets t >= s"))
-    w.line(f"cb_base = ((bi64 * NC + pid_c) * G + g) * {q * q}")
+    if not tma:
+        w.line(f"cb_base = ((bi64 * NC + pid_c) * G + g) * {q * q}")
     with w.block("if hs == 0:"):
         with w.block(loop):
             emit_positions(w, part, "k0", "BS", q, even=True)
-            if tma:
-                _dbc_pairs_tma(w, r, which, other)
-                return
-            w.line(f"{other}_p = " + seq_tile(f"{other}_ptr", f"bi64 * s{other}b + g * s{other}g",
-                                              f"pos_{part}", f"s{other}l", "offs_n", f"v_{part}", "m_n"))
-            if which == "c":
-                at, inside = f"t[:, None] * {q} + s[None, :]", "in_t[:, None] & in_s[None, :]"
-            else:
-                at, inside = f"t[None, :] * {q} + s[:, None]", "in_t[None, :] & in_s[:, None]"
-            w.line(f"dcb = tl.load(dcb_ptr + cb_base + {at}, mask={inside}, other=0.0)")
-            with w.block("for sp in range(1, NS):"):
-                w.line(f"dcb += tl.load(dcb_ptr + sp * DS + cb_base + {at}, mask={inside}, other=0.0)")
+            (_dbc_pair_tiles_tma if tma else _dbc_pair_tiles)(w, which, other, part, q)
             w.line(f"acc = {dot(r, to_io(r, 'dcb'), f'{other}_p', 'acc')}")
 
 
-def _dbc_pairs_tma(w: Writer, r: SSDRegion, which: str, other: str) -> None:
-    """Body of ``_dbc_pairs``'s partner loop through the descriptors: dc reads dCB (t rows, s
-    columns) as stored, db reads (t rows, s columns) tiles and transposes them."""
-    q = r.chunk_size
+def _dbc_pair_tiles(w: Writer, which: str, other: str, part: str, q: int) -> None:
+    """The partner loop's tiles through pointers: the other side's B / C rows and dCB as
+    (this kernel's rows x partners), its NS split parts summed."""
+    w.line(f"{other}_p = " + seq_tile(f"{other}_ptr", f"bi64 * s{other}b + g * s{other}g",
+                                      f"pos_{part}", f"s{other}l", "offs_n", f"v_{part}", "m_n"))
+    if which == "c":
+        at, inside = f"t[:, None] * {q} + s[None, :]", "in_t[:, None] & in_s[None, :]"
+    else:
+        at, inside = f"t[None, :] * {q} + s[:, None]", "in_t[None, :] & in_s[:, None]"
+    w.line(f"dcb = tl.load(dcb_ptr + cb_base + {at}, mask={inside}, other=0.0)")
+    with w.block("for sp in range(1, NS):"):
+        w.line(f"dcb += tl.load(dcb_ptr + sp * DS + cb_base + {at}, mask={inside}, other=0.0)")
+
+
+def _dbc_pair_tiles_tma(w: Writer, which: str, other: str, part: str, q: int) -> None:
+    """The same through the descriptors: dC reads dCB (t rows, s columns) as stored, dB reads
+    (t rows, s columns) tiles and transposes them."""
     w.line(f"{other}_p = otherd.load([seq0 + k0, g * N])")
     at = "pid_m * BT, k0" if which == "c" else "k0, pid_m * BT"
     w.line(f"dcb = dcbd.load([cb_row + {at}])")
     with w.block("for sp in range(1, NS):"):
         w.line(f"dcb += dcbd.load([sp * (DS // {q}) + cb_row + {at}])")
-    w.line(f"acc = {dot(r, to_io(r, 'dcb' if which == 'c' else 'tl.trans(dcb)'), f'{other}_p', 'acc')}")
+    if which == "b":
+        w.line("dcb = tl.trans(dcb)")

@@ -169,6 +169,16 @@ def emit_dims(w: Writer, even: bool = False) -> None:
             "offs_n = tl.arange(0, NP)", f"m_n = {_or_even('offs_n < N', even)}")
 
 
+def emit_descriptor_rows(w: Writer, q: int, groups: str | None = None, batch: str = "bi") -> None:
+    """Rows of the descriptor-loading kernels' 2-D views (``codegen/tma.py``): ``seq0``, this
+    chunk's first position in the (batch*seqlen) rows, and with ``groups`` (the number of groups)
+    ``cb_row``, this chunk's and group's first row of a (batch*chunks*groups*chunk, chunk) product."""
+    w.comment("descriptor rows: this chunk's first position" + (", and its first C B^T row" if groups else ""))
+    w.line(f"seq0 = {batch} * L + pid_c * {q}")
+    if groups:
+        w.line(f"cb_row = (({batch} * NC + pid_c) * {groups} + g) * {q}")
+
+
 def emit_positions(w: Writer, name: str, start: str, size: str, q: int, even: bool = False) -> None:
     """``name`` (chunk offsets), ``pos_name`` (sequence positions) and ``v_name`` (valid); with
     ``even`` also ``in_name`` (inside the chunk), both all true under the EVEN constexpr."""

@@ -23,7 +23,8 @@ from typing import Callable
 
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, dt_args, dt_call,
-                                          emit_dims, emit_dt_helpers, emit_positions, header, inside,
+                                          emit_descriptor_rows, emit_dims, emit_dt_helpers,
+                                          emit_positions, header, inside,
                                           load_bias, seq_tile, state_tile, to_io)
 from mambac.codegen.writer import Writer
 
@@ -73,7 +74,7 @@ def render_chunk_state(r: SSDRegion, mode: str = "forward", heads: int = 1, tma:
                 f"row = (bi64 * H + h) * (NC * {q}) + pid_c * {q}",
                 "acc = tl.zeros((BP, NP), dtype=tl.float32)")
         if tma:
-            w.line(f"seq0 = bi * L + pid_c * {q}  # descriptor row of this chunk's first position")
+            emit_descriptor_rows(w, q)
         if fwd:
             w.line("a = tl.load(a_ptr + h).to(tl.float32)")
             load_bias(w, r, "h")
@@ -252,16 +253,16 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
                 f"bi = pid_bh // (H // {heads})", f"h0 = (pid_bh % (H // {heads})) * {heads}",
                 "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
         emit_dims(w, even=True)
-        w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
-        if not tma:
-            emit_scan_rows(w, r, heads, "pid_m * BM", mode, lambda j: state_tile(
-                "sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True), even=True)
-            return w.source()
-        w.comment("descriptor rows: this chunk's first position, and its first C B^T row")
-        w.line(f"seq0 = bi * L + pid_c * {q}")
-        w.line(f"cb_row = ((bi * NC + pid_c) * (H // HPG) + g) * {q}")
-        emit_scan_rows(w, r, heads, "pid_m * BM", mode, lambda j: (
-            f"tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + {j}) * P, 0]))"), even=True, tma=True)
+        if tma:
+            emit_descriptor_rows(w, q, "(H // HPG)")
+        else:
+            w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
+
+        def state(j: int) -> str:
+            if tma:
+                return f"tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + {j}) * P, 0]))"
+            return state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True)
+        emit_scan_rows(w, r, heads, "pid_m * BM", mode, state, even=True, tma=tma)
     return w.source()
 
 
@@ -269,9 +270,10 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
                    state: Callable[[int], str], even: bool = False, tma: bool = False) -> None:
     """One row tile of the chunk scan (rows ``start`` .. ``start`` + BM) for ``heads`` heads of one
     group, through the epilogue; ``state(j)`` is the text of head j's incoming state as a
-    (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` and the dims' offsets; ``even``:
-    the bounds masks take the kernel's EVEN constexpr (``render_common.emit_positions``); ``tma``:
-    C, C B^T and x through the descriptors of ``render_chunk_scan``."""
+    (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` (with ``tma``: ``seq0`` and
+    ``cb_row``) and the dims' offsets; ``even``: the bounds masks take the kernel's EVEN constexpr
+    (``render_common.emit_positions``); ``tma``: C, C B^T and x through the descriptors of
+    ``render_chunk_scan``."""
     q = r.chunk_size
     emit_positions(w, "t", start, "BM", q, even)
     if tma:

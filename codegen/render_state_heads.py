@@ -15,7 +15,8 @@ of one program must share a group (``heads`` divides heads per group).
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import dt_args, emit_dt_helpers, emit_positions, header
+from mambac.codegen.render_common import (dt_args, emit_descriptor_rows, emit_dt_helpers, emit_positions,
+                                          header)
 from mambac.codegen.render_fwd import chunk_state_block
 from mambac.codegen.writer import Writer
 
@@ -57,7 +58,7 @@ def render_chunk_state_heads(r: SSDRegion, heads: int, tma: bool = False) -> str
                 f"acc = tl.zeros(({heads} * BP, NP), dtype=tl.float32)",
                 "a = tl.load(a_ptr + h0 + hh).to(tl.float32)")
         if tma:
-            w.line(f"seq0 = (pid_bh // (H // {heads})) * L + pid_c * {q}  # descriptor row of the chunk")
+            emit_descriptor_rows(w, q, batch=f"(pid_bh // (H // {heads}))")
         if r.has_dt_bias:
             w.line("bias = tl.load(bias_ptr + h0 + hh).to(tl.float32)[:, None]")
         w.line("run = a * 0.0  # per head: cumsum of dA before this block")

@@ -136,11 +136,8 @@ def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
     def launch(kern, cfg: TileConfig) -> None:
         args = [pr.x, pr.dt, pr.A, pr.B] + dt_extra_args(pr) + [states, dtp, cs, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.dt) + strides3(pr.B)
-        if cfg.tma:
-            if not even_tiles(d, cfg.block_m, cfg.block_k):
-                raise ValueError("the descriptor-loading chunk state needs an EVEN launch")
-            args += [tma.rows(pr.x, 2, (cfg.block_k, cfg.heads * cfg.block_m)),
-                     tma.rows(pr.B, 2, (cfg.block_k, d.n))]
+        args += tma.launch_descriptors(cfg, even_tiles(d, cfg.block_m, cfg.block_k), "chunk state", [
+            (pr.x, 2, (cfg.block_k, cfg.heads * cfg.block_m)), (pr.B, 2, (cfg.block_k, d.n))])
         kern.launch((d.nc, d.b * d.h // cfg.heads, cdiv(d.p, cfg.block_m)), args,
                     dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg)
 
@@ -204,12 +201,9 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
 
     def launch(kern, cfg: TileConfig) -> None:
         even = even_tiles(d, cfg.block_m, cfg.block_k)
-        descs = []
-        if cfg.tma:
-            if not even:
-                raise ValueError("the descriptor-loading chunk scan needs an EVEN launch")
-            descs = [tma.rows(pr.x, 2, (cfg.block_k, d.p)), tma.rows(pr.C, 2, (cfg.block_m, d.n)),
-                     tma.rows(sin, 4, (d.p, d.n)), tma.rows(cb, 4, (cfg.block_m, cfg.block_k))]
+        descs = tma.launch_descriptors(cfg, even, "chunk scan", [
+            (pr.x, 2, (cfg.block_k, d.p)), (pr.C, 2, (cfg.block_m, d.n)), (sin, 4, (d.p, d.n)),
+            (cb, 4, (cfg.block_m, cfg.block_k))])
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
                     head + [y, dtp, cs, sin] + scan_args(pr) + descs,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)

@@ -76,10 +76,8 @@ def run_dstate(pr: Prepared, dy: Tensor, cs: Tensor) -> Tensor:
 
     def launch(kern, cfg: TileConfig) -> None:
         args = [dy, pr.C, cs, dst, d.l, d.h, d.hpg, d.nc, d.p, d.n] + strides3(pr.C)
-        if cfg.tma:
-            if not even_tiles(d, cfg.block_m, cfg.block_k):
-                raise ValueError("the descriptor-loading dstate needs an EVEN launch")
-            args += [tma.rows(dy, 2, (cfg.block_k, cfg.block_m)), tma.rows(pr.C, 2, (cfg.block_k, d.n))]
+        args += tma.launch_descriptors(cfg, even_tiles(d, cfg.block_m, cfg.block_k), "dstate", [
+            (dy, 2, (cfg.block_k, cfg.block_m)), (pr.C, 2, (cfg.block_k, d.n))])
         kern.launch((d.nc, d.b * d.h, cdiv(d.p, cfg.block_m)), args,
                     dict(BT=cfg.block_k, BP=cfg.block_m, NP=d.np_), cfg)
 
@@ -119,11 +117,9 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
         args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.B)
         even = even_tiles(d, cfg.block_m, cfg.block_k)
-        if cfg.tma:
-            if not even:
-                raise ValueError("the descriptor-loading dx needs an EVEN launch")
-            args += [tma.rows(pr.B, 2, (cfg.block_m, d.n)), tma.rows(dsout, 4, (d.p, d.n)),
-                     tma.rows(saved.cbt, 4, (cfg.block_m, cfg.block_k)), tma.rows(dy, 2, (cfg.block_k, d.p))]
+        args += tma.launch_descriptors(cfg, even, "dx", [
+            (pr.B, 2, (cfg.block_m, d.n)), (dsout, 4, (d.p, d.n)), (saved.cbt, 4, (cfg.block_m, cfg.block_k)),
+            (dy, 2, (cfg.block_k, d.p))])
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return dd
@@ -146,12 +142,9 @@ def run_dcb(pr: Prepared, dy: Tensor, saved: SSDSaved) -> tuple[Tensor, Tensor, 
         args = [pr.x, dy, saved.dtp, saved.cs, saved.cb, dcb, mrow, mcol, d.l, d.h, d.hpg, d.g, d.nc, d.p,
                 cfg.splits, dcb[0].numel()] + strides3(pr.x)
         even = even_tiles(d, cfg.block_m)
-        if cfg.tma:
-            if not even:
-                raise ValueError("the descriptor-loading dcb needs an EVEN launch")
-            bt = cfg.block_m
-            args += [tma.rows(pr.x, 2, (bt, d.p)), tma.rows(dy, 2, (bt, d.p)),
-                     tma.rows(saved.cb, 4, (bt, bt))]
+        bt = cfg.block_m
+        args += tma.launch_descriptors(cfg, even, "dcb", [
+            (pr.x, 2, (bt, d.p)), (dy, 2, (bt, d.p)), (saved.cb, 4, (bt, bt))])
         kern.launch((nt * nt, d.nc, d.b * d.g * cfg.splits), args,
                     dict(BT=cfg.block_m, PP=d.pp, EVEN=even), cfg)
         return dcb, mrow, mcol, cfg.block_m
@@ -181,14 +174,11 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
                 d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, dcb.shape[0], dcb[0].numel()]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         even = even_tiles(d, cfg.block_m, cfg.block_k)
-        if cfg.tma:
-            if not even:
-                raise ValueError(f"the descriptor-loading d{which} needs an EVEN launch")
-            bt, bs = cfg.block_m, cfg.block_k
-            own, other = (pr.C, pr.B) if which == "c" else (pr.B, pr.C)
-            args += [tma.rows(own, 2, (bt, d.n)), tma.rows(dy if which == "c" else pr.x, 2, (bt, d.p)),
-                     tma.rows(state, 4, (d.p, d.n)), tma.rows(other, 2, (bs, d.n)),
-                     tma.rows(dcb, 5, (bt, bs) if which == "c" else (bs, bt))]
+        bt, bs = cfg.block_m, cfg.block_k
+        own, other = (pr.C, pr.B) if which == "c" else (pr.B, pr.C)
+        args += tma.launch_descriptors(cfg, even, f"d{which}", [
+            (own, 2, (bt, d.n)), (dy if which == "c" else pr.x, 2, (bt, d.p)), (state, 4, (d.p, d.n)),
+            (other, 2, (bs, d.n)), (dcb, 5, (bt, bs) if which == "c" else (bs, bt))])
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.g * cfg.splits), args,
                     dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return out

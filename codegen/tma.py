@@ -38,6 +38,19 @@ def available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+def launch_descriptors(cfg: Any, even: bool, kernel: str,
+                       views: list[tuple[Tensor, int, tuple[int, int]]]) -> list:
+    """The descriptor arguments of one launch: none for a pointer-loading config; for a
+    descriptor-loading one (``cfg.tma``), ``rows(*view)`` of each (tensor, lead, block) view, after
+    checking the launch is EVEN (its forms have no bounds masks)."""
+    if not cfg.tma:
+        return []
+    if not even:
+        raise ValueError(f"the descriptor-loading {kernel} needs an EVEN launch (the length a multiple "
+                         "of the chunk, tiles dividing it, power-of-two headdim and dstate)")
+    return [rows(t, lead, block) for t, lead, block in views]
+
+
 def _addressable(t: Tensor, row_stride: int) -> bool:
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0

@@ -10,9 +10,6 @@ from mambac.codegen import tma
 from mambac.codegen.direct_launch import spec_key
 from mambac.codegen.kernel_ir import TileConfig
 
-pytestmark = pytest.mark.skipif(tma._descriptor_class() is None, reason="a Triton without tensor descriptors")
-
-
 def test_split_view_is_described_in_place():
     """x of a Mamba-2 conv output (a column slice of (batch, seqlen, columns)) is read where it lies:
     rows of batch*seqlen, one row stride apart."""
