@@ -15,7 +15,7 @@ Commands (default: check time parts):
               ``.bench_deps/mamba_ssm``; see the shared ANCHORS page)
   graphed     with ``time``: fwd+bwd also replayed from a CUDA graph, which leaves out the host's
               launch cost (a failed capture can leave the CUDA context unusable for the rest of the process)
-  parts       time of each generated kernel alone at S1
+  parts       time of each generated kernel alone at S1 (parts-s2: at S2)
   variants    the kernels of VARIANTS alone at S1 and S2 with each of their tiles there (outside
               the candidate lists, e.g. with a register cap), and each result's difference from
               the default tile's
@@ -183,7 +183,7 @@ CHECKS = {
 def run_checks(cg, which: str) -> None:
     at = importlib.import_module("mambac.codegen.autotune")
     choose = at.choose
-    at.choose = lambda family, bucket, cands, bench: cands[0]  # correctness needs no tuning
+    at.choose = lambda family, bucket, cands, bench, **kw: cands[0]  # correctness needs no tuning
     try:
         for tag, shape, extra, dtype in CHECKS[which]:
             limit = (0.001, 0.5) if "clamp" in tag else (0.0, math.inf)
@@ -255,7 +255,9 @@ def time_case(cg, mamba, tag: str, shape: dict, fwd_only_timing: bool = False,
             continue
         if not GRAPHED:
             continue
-        try:  # the same fwd+bwd from a CUDA graph: the part of the time that is the GPU's
+        try:  # the same fwd and fwd+bwd from CUDA graphs: the part of the time that is the GPU's
+            with torch.no_grad():
+                rec(f"{tag} {name} fwd graphed us", round(graphed_ms(f) * 1e3, 1))
             rec(f"{tag} {name} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
         except Exception as exc:
             rec(f"{tag} {name} fwd+bwd graphed us", f"not captured: {exc!r}"[:120])
@@ -281,7 +283,7 @@ def forward_pieces(shape: dict):
     return fk, bk, pr, states, saved, dy, dfin
 
 
-def time_parts(cg, shape: dict) -> None:
+def time_parts(cg, shape: dict, tag: str = "S1") -> None:
     """Each generated kernel alone at one shape (launch order of fwd, then bwd)."""
     fk, bk, pr, states, saved, dy, dfin = forward_pieces(shape)
     dtp, cs, sin, cb = saved.dtp, saved.cs, saved.sin, saved.cb
@@ -294,6 +296,7 @@ def time_parts(cg, shape: dict) -> None:
     parts = [("fwd chunk_cb", lambda: fk.run_chunk_cb(pr)),
              ("fwd chunk_state", lambda: fk.run_chunk_state(pr)),
              ("fwd state_pass", lambda: fk.run_state_pass(pr, states, cs)),
+             ("fwd state_walk (chunk_state + state_pass as one walk)", lambda: fk.run_state_walk(pr)),
              ("fwd chunk_scan", lambda: fk.run_chunk_scan(pr, dtp, cs, sin, cb)),
              ("fwd fused (chunk state + passing + scan)", lambda: fk.run_fused_forward(pr, cb, True)),
              *[(f"fwd all launches, path {p}", lambda p=p: fk.forward_prepared(pr, path=p))
@@ -301,14 +304,17 @@ def time_parts(cg, shape: dict) -> None:
              ("bwd chunk_cb (backward's)", lambda: fk.with_cb(pr, replace(saved, cb=None, cbt=None))),
              ("bwd chunk_dstate", lambda: bk.run_dstate(pr, dy, cs)),
              ("bwd state_pass", lambda: bk.run_state_pass_bwd(pr, dst, saved, dfin)),
+             ("bwd state_walk_bwd (dstate + state_pass as one walk)",
+              lambda: bk.run_state_walk_bwd(pr, dy, saved, dfin)),
              ("bwd dx", lambda: bk.run_dx(pr, dy, saved, dsout)),
              ("bwd dcb", lambda: bk.run_dcb(pr, dy, saved)),
              ("bwd dc", lambda: bk.run_dbc(pr, "c", dy, saved, sin, dcb)),
              ("bwd db", lambda: bk.run_dbc(pr, "b", dy, saved, dsout, dcb)),
              ("bwd dt", lambda: bk.run_dt_backward(pr, saved, ddtd, es, v, tuple(pairs), dtot))]
+    timer = graphed_ms if GRAPHED else bench_ms   # with "graphed": each part replayed from a CUDA graph
     for name, fn in parts:
         try:
-            rec(f"S1 part {name} us", round(bench_ms(fn) * 1e3, 1))
+            rec(f"{tag} part {name} us", round(timer(fn) * 1e3, 1))
         except Exception:
             traceback.print_exc()
 
@@ -421,7 +427,7 @@ def time_streams(cg, tag: str, shape: dict) -> None:
     TileConfig = importlib.import_module("mambac.codegen.kernel_ir").TileConfig
     choose = at.choose
 
-    def pinned(family, bucket, cands, bench):
+    def pinned(family, bucket, cands, bench, **kw):
         want = PINNED.get(family.split("-")[0])
         return next((c for c in cands if want is not None and c == TileConfig(**want)), cands[0])
 
@@ -444,18 +450,19 @@ def time_streams(cg, tag: str, shape: dict) -> None:
 
 
 def summary() -> None:
-    print("\n| shape | impl | fwd us | fwd+bwd us | fwd+bwd graphed us |\n|---|---|---|---|---|")
+    print("\n| shape | impl | fwd us | fwd graphed us | fwd+bwd us | fwd+bwd graphed us |\n|---|---|---|---|---|---|")
     for tag in ("S1", "S2"):
         for name in ("mambac", "mamba_ssm"):
             f, fb = RES.get(f"{tag} {name} fwd us"), RES.get(f"{tag} {name} fwd+bwd us")
             if f is not None:
-                print(f"| {tag} | {name} | {f} | {fb} | {RES.get(f'{tag} {name} fwd+bwd graphed us', '-')} |")
+                print(f"| {tag} | {name} | {f} | {RES.get(f'{tag} {name} fwd graphed us', '-')} | {fb} | "
+                      f"{RES.get(f'{tag} {name} fwd+bwd graphed us', '-')} |")
         m, o = RES.get(f"{tag} mamba_ssm fwd us"), RES.get(f"{tag} mambac fwd us")
         if m and o:
-            print(f"| {tag} | anchor ratio (this run / ANCHORS) | {m / ANCHOR_US[(tag, 'fwd')]:.2f} | "
+            print(f"| {tag} | anchor ratio (this run / ANCHORS) | {m / ANCHOR_US[(tag, 'fwd')]:.2f} | - | "
                   f"{RES.get(f'{tag} mamba_ssm fwd+bwd us', 0) / ANCHOR_US[(tag, 'fwd+bwd')]:.2f} | - |")
-            print(f"| {tag} | mamba_ssm / mambac | {m / o:.2f}x | {_ratio(tag, 'fwd+bwd')} | "
-                  f"{_ratio(tag, 'fwd+bwd graphed')} |")
+            print(f"| {tag} | mamba_ssm / mambac | {m / o:.2f}x | {_ratio(tag, 'fwd graphed')} | "
+                  f"{_ratio(tag, 'fwd+bwd')} | {_ratio(tag, 'fwd+bwd graphed')} |")
 
 
 def _ratio(tag: str, what: str) -> str:
@@ -485,6 +492,8 @@ def main(argv: list[str]) -> None:
         time_case(cg, mamba, "S2", S2)
     if "parts" in what:
         time_parts(cg, S1)
+    if "parts-s2" in what:
+        time_parts(cg, S2, "S2")
     if "host" in what:
         time_host(cg, "S1", S1)
     if "variants" in what:

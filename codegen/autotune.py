@@ -45,18 +45,21 @@ def bucket_key(*sizes: int) -> str:
 
 
 def choose(family: str, bucket: str, candidates: Sequence[TileConfig],
-           bench: Callable[[TileConfig], float]) -> TileConfig:
+           bench: Callable[[TileConfig], float],
+           parse: Callable[[str], TileConfig] = TileConfig.from_json) -> TileConfig:
     """The config for this family and bucket: remembered, persisted, or measured now.
 
     ``bench(config)`` runs the kernel with ``config`` and returns its time; a candidate whose
     compile or launch fails is skipped with a log line (another may still fit the device).
+    Candidates may be any values with ``to_json()`` (e.g. a choice between launch paths), with
+    ``parse`` reading a stored one back.
     """
     key = (family, f"{bucket}|{device_name()}")
     if key in _CHOSEN:
         return _CHOSEN[key]
     stored = cache.load_choices(family).get(key[1])
     if stored is not None:
-        _CHOSEN[key] = TileConfig.from_json(stored)
+        _CHOSEN[key] = parse(stored)
         return _CHOSEN[key]
     if interpreting() or len(candidates) == 1 or not torch.cuda.is_available():
         _CHOSEN[key] = candidates[0]
@@ -80,6 +83,46 @@ def choose(family: str, bucket: str, candidates: Sequence[TileConfig],
 
 
 def time_ms(fn: Callable[[], None]) -> float:
-    """Median milliseconds of ``fn`` on the GPU (Triton's event-based timer)."""
+    """Milliseconds of ``fn``'s GPU work: replayed from a CUDA graph (``graph_ms``), so that the
+    host's launch cost, which varies from host to host and can exceed a short kernel's time, does
+    not decide the choice; where ``fn`` cannot be captured, timed directly (Triton's event-based
+    median)."""
+    try:
+        return graph_ms(fn)
+    except Exception as exc:  # not capturable: time the launches as they are
+        log.info("autotune: timing without a CUDA graph (%r)", exc)
+        torch.cuda.synchronize()
     import triton.testing
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], None], target_ms: float = 0.2, reps: int = 10) -> float:
+    """Milliseconds per call of ``fn`` from a CUDA graph holding k back-to-back calls (k so that
+    one replay takes about ``target_ms``, at most 16; one call run first, outside the graph,
+    compiles and estimates), the median of three timed groups of ``reps`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        fn()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        k = max(1, min(16, int(target_ms / max(start.elapsed_time(end), 1e-3)) + 1))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(k):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(3):
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / (reps * k))
+    torch.cuda.current_stream().wait_stream(stream)
+    del graph
+    return sorted(times)[1]

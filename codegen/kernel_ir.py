@@ -120,7 +120,8 @@ class TileConfig:
     """Tile sizes and launch shape of one generated kernel (what autotune picks).
 
     ``heads`` changes the rendered source (heads handled per program, unrolled), and so does
-    ``tma`` (tiles loaded through tensor descriptors, where a family offers it); ``splits`` is how
+    ``tma`` (tiles loaded through tensor descriptors, where a family offers it); ``block_n`` is a
+    third block size, set only by the kernels that tile a third axis (dstate); ``splits`` is how
     many programs share one group's heads (their partial sums are added afterwards); the block
     sizes are constexpr arguments; ``num_warps``, ``num_stages`` and, where set, ``maxnreg`` (a cap
     on registers per thread) are Triton's launch options (``launch_options``).
@@ -134,6 +135,7 @@ class TileConfig:
     num_stages: int = 2
     maxnreg: Optional[int] = None
     tma: bool = False
+    block_n: Optional[int] = None
 
     def launch_options(self) -> dict[str, int]:
         """Keyword options of the Triton launch (``maxnreg`` only when set)."""
@@ -148,6 +150,8 @@ class TileConfig:
             del fields["maxnreg"]
         if not fields["tma"]:
             del fields["tma"]
+        if fields["block_n"] is None:  # only the state walk tiles a third axis
+            del fields["block_n"]
         return json.dumps(fields, sort_keys=True)
 
     @staticmethod

@@ -227,8 +227,9 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
     ``tma``: the tiles of C, of the incoming states, of C B^T and of the partners' x come through
     tensor descriptors (``xd`` over x as (batch*seqlen, heads*headdim), ``cd`` over C as
     (batch*seqlen, groups*dstate), ``sd`` over the states as (batch*chunks*heads*headdim, dstate),
-    ``cbd`` over C B^T as (batch*chunks*groups*chunk, chunk)); on Hopper these are TMA copies, with
-    no per-element address arithmetic.  Only for EVEN launches (no tile runs past a chunk)."""
+    ``cbd`` over C B^T as (batch*chunks*groups*chunk, chunk)), and the forward's y leaves through
+    ``yd`` (y as (batch*seqlen, heads*headdim)); on Hopper these are TMA copies, with no
+    per-element address arithmetic.  Only for EVEN launches (no tile runs past a chunk)."""
     if mode not in CHUNK_SCAN_MODES:
         raise ValueError(f"mode must be one of {CHUNK_SCAN_MODES}")
     if mode == "gate_backward" and not r.has_z:
@@ -244,7 +245,7 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
     args += ["dtp_ptr", "cs_ptr", "sin_ptr", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
-    args += ["xd", "cd", "sd", "cbd"] if tma else []
+    args += ["xd", "cd", "sd", "cbd"] + (["yd"] if mode == "forward" else []) if tma else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "EVEN: tl.constexpr"]
     w.line("@triton.jit")
@@ -280,6 +281,11 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
         w.line(f"c_t = cd.load([seq0 + {start}, g * N])")
     else:
         w.line("c_t = " + seq_tile("c_ptr", "bi64 * scb + g * scg", "pos_t", "scl", "offs_n", "v_t", "m_n"))
+    if r.d_mode != "none":
+        w.comment("the rows' own x for the D skip, loaded now so that its latency hides behind the dots")
+        for j in range(heads):
+            w.line(f"x_t_{j} = " + seq_tile("x_ptr", f"bi64 * sxb + (h0 + {j}) * sxh", "pos_t", "sxl",
+                                           "offs_p", "v_t", "m_p"))
     w.comment("tiles of partners s wholly before this row tile factor their decay through the")
     w.comment("last of them, r = off - 1:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
     w.line(f"off = ({start}) // BK * BK")
@@ -298,7 +304,7 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
     with w.block(f"for k0 in range(off, {start} + BM, BK):"):
         chunk_scan_partners(w, r, heads, diagonal=True, even=even, tma=tma, start=start)
     for j in range(heads):
-        chunk_scan_epilogue(w, r, j, mode)
+        chunk_scan_epilogue(w, r, j, mode, tma_store=tma and mode == "forward", start=start)
 
 
 def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, even: bool = False,
@@ -330,14 +336,16 @@ def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, eve
         w.line(f"acc_{j} = {dot(r, to_io(r, 'wj'), 'x_s', f'acc_{j}')}")
 
 
-def chunk_scan_epilogue(w: Writer, r: SSDRegion, j: int, mode: str) -> None:
-    """D skip and z gate of head j (forward), or the gate's backward (gate_backward)."""
+def chunk_scan_epilogue(w: Writer, r: SSDRegion, j: int, mode: str, tma_store: bool = False,
+                        start: str = "") -> None:
+    """D skip and z gate of head j (forward), or the gate's backward (gate_backward); x_t_j (the
+    rows' x) was loaded at the start.  ``tma_store``: y leaves through the descriptor ``yd`` (y as
+    (batch*seqlen, heads*headdim)), its rows from ``start``."""
     h = f"h0 + {j}"
     w.comment(f"epilogue of head {j}")
     w.line(f"y = acc_{j}")
     if r.d_mode != "none":
-        w.line("x_t = " + seq_tile("x_ptr", f"bi64 * sxb + ({h}) * sxh", "pos_t", "sxl", "offs_p",
-                                   "v_t", "m_p") + ".to(tl.float32)")
+        w.line(f"x_t = x_t_{j}.to(tl.float32)")
         if r.d_mode == "head":
             w.line(f"y = y + x_t * tl.load(d_ptr + {h}).to(tl.float32)")
         else:
@@ -350,7 +358,10 @@ def chunk_scan_epilogue(w: Writer, r: SSDRegion, j: int, mode: str) -> None:
     if mode == "forward":
         if r.has_z:
             w.line("y = y * zz * sg")
-        w.line(dense_store("y_ptr", "pos_t", h, "v_t", to_io(r, "y")))
+        if tma_store:
+            w.line(f"yd.store([seq0 + {start}, ({h}) * P], {to_io(r, 'y')})")
+        else:
+            w.line(dense_store("y_ptr", "pos_t", h, "v_t", to_io(r, "y")))
         return
     w.line("dyo = " + dense_tile("dyo_ptr", "pos_t", h, "v_t") + ".to(tl.float32)")
     w.line("dz = dyo * y * sg * (1.0 + zz * (1.0 - sg))")

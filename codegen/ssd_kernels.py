@@ -8,21 +8,23 @@ kernels cannot take (float64, CPU tensors outside the interpreter) run the op's 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from mambac.codegen import render_fused, render_fwd, tma
+from mambac.codegen import autotune, render_fused, render_fwd, render_state_walk, tma
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
 from mambac.codegen.render_common import even_tiles
 from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_scan_candidates,
                                        chunk_state_candidates, fused_candidates, fused_fits, run_family,
-                                       state_pass_candidates)
+                                       source_of, state_pass_candidates, walk_candidates, walk_fits)
+from mambac.knobs import knobs
 
 CHUNK_CB = Family("ssd_chunk_cb", lambda r, c: render_fwd.render_chunk_cb(r), cb_candidates)
 CHUNK_CB_BOTH = Family(render_fwd.chunk_cb_name(True), lambda r, c: render_fwd.render_chunk_cb(r, True),
@@ -36,7 +38,8 @@ CHUNK_SCAN = Family("ssd_chunk_scan",
                     lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward", c.tma),
                     chunk_scan_candidates)
 FUSED = Family(render_fused.NAME, lambda r, c: render_fused.render_fused_forward(r), fused_candidates)
-FORWARD_PATHS = ("three", "fused")
+STATE_WALK = Family(render_state_walk.NAME, lambda r, c: render_state_walk.render_state_walk(r), walk_candidates)
+FORWARD_PATHS = ("walk", "three", "fused")
 
 
 @dataclass
@@ -186,6 +189,81 @@ def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Te
     return sin, final
 
 
+def run_state_walk(pr: Prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Kernels 1 + 2 as one walk (``render_state_walk``): the states entering each chunk (io
+    dtype), the final state (fp32), dt' and the dA cumsum."""
+    d, r = pr.dims, pr.region
+    dtp, cs = dt_buffers(pr)
+    sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=pr.x.device, dtype=r.torch_io)
+    final = torch.empty(d.b, d.h, d.p, d.n, device=pr.x.device, dtype=torch.float32)
+    init = [pr.init] if r.has_initial_state else []
+
+    def launch(kern, cfg: TileConfig) -> None:
+        args = [pr.dt, pr.A] + dt_extra_args(pr) + init + [sin, final, dtp, cs, d.l, d.h, d.hpg, d.nc]
+        args += strides3(pr.dt) + tma.launch_descriptors(cfg, even_tiles(d, cfg.block_k), "state walk", [
+            (pr.x, 2, (cfg.block_k, cfg.block_m)), (pr.B, 2, (cfg.block_k, cfg.block_n))])
+        kern.launch(((d.p // cfg.block_m) * (d.n // cfg.block_n), d.b * d.h), args,
+                    dict(BT=cfg.block_k, BP=cfg.block_m, BN=cfg.block_n, P=d.p, N=d.n), cfg)
+
+    run_family(STATE_WALK, r, d, launch)
+    return sin, final, dtp, cs
+
+
+def run_states(pr: Prepared, path: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(states entering each chunk, final state, dt', dA cumsum) by ``path``: "walk" (one
+    launch) or "three" (the per-chunk states, then their passing)."""
+    if path == "walk":
+        return run_state_walk(pr)
+    states, dtp, cs = run_chunk_state(pr)
+    sin, final = run_state_pass(pr, states, cs)
+    return sin, final, dtp, cs
+
+
+@dataclass(frozen=True)
+class _PathOption:
+    """A forward path as an autotune candidate (``autotune.choose`` stores its JSON)."""
+
+    path: str
+
+    def to_json(self) -> str:
+        return json.dumps({"path": self.path})
+
+    @staticmethod
+    def from_json(text: str) -> "_PathOption":
+        return _PathOption(json.loads(text)["path"])
+
+
+def choose_walk(pr: Prepared, name: str, families: list, run: Callable[[str], object]) -> str:
+    """"walk" or "three" for one direction of the states (``name`` keys the stored choice):
+    "walk" where the walk can run (``walk_fits``) and ``MAMBAC_SSD_WALK`` allows it, else "three".
+    With the knob at "auto" (default) the two are timed once per shape bucket and device, like a
+    kernel's tiles: ``run(path)`` launches that path's kernels (their own tiles are picked first),
+    ``families`` are the kernels involved, whose candidates' sources key the choice.  Under the
+    interpreter the walk is taken."""
+    choice = knobs().ssd_walk
+    if choice == "0" or not walk_fits(pr.dims):
+        return "three"
+    if choice == "1" or interpreting():
+        return "walk"
+    sources = [source_of(fam, pr.region, c) for fam in families for c in fam.candidates(pr.dims)]
+    family = autotune.family_key(name, sources, [])
+
+    def bench(option: _PathOption) -> float:
+        run(option.path)
+        return autotune.time_ms(lambda: run(option.path))
+
+    options = [_PathOption("walk"), _PathOption("three")]
+    return autotune.choose(family, pr.dims.bucket(), options, bench, parse=_PathOption.from_json).path
+
+
+def choose_forward_path(pr: Prepared) -> str:
+    """The forward's default path, "walk" or "three" (``choose_walk``; at S1 on an H200 the walk
+    took 73 us against 127 for the per-chunk states and their passing; with few (batch, head)
+    pairs its programs may not fill the GPU)."""
+    return choose_walk(pr, "ssd_forward_path", [STATE_WALK, CHUNK_STATE, STATE_PASS],
+                       lambda path: run_states(pr, path))
+
+
 def scan_args(pr: Prepared) -> list:
     """The shared tail of the chunk-scan style kernels' arguments (sizes and strides)."""
     d = pr.dims
@@ -203,7 +281,7 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
         even = even_tiles(d, cfg.block_m, cfg.block_k)
         descs = tma.launch_descriptors(cfg, even, "chunk scan", [
             (pr.x, 2, (cfg.block_k, d.p)), (pr.C, 2, (cfg.block_m, d.n)), (sin, 4, (d.p, d.n)),
-            (cb, 4, (cfg.block_m, cfg.block_k))])
+            (cb, 4, (cfg.block_m, cfg.block_k)), (y, 2, (cfg.block_m, d.p))])
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
                     head + [y, dtp, cs, sin] + scan_args(pr) + descs,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
@@ -239,26 +317,33 @@ def run_fused_forward(pr: Prepared, cb: Tensor, save: bool) -> tuple[Tensor, Ten
 
 
 def forward_prepared(pr: Prepared, save: bool = True,
-                     path: str = "three") -> tuple[Tensor, Tensor, SSDSaved]:
-    """The forward launches after C B^T, by ``path``:
+                     path: Optional[str] = None) -> tuple[Tensor, Tensor, SSDSaved]:
+    """The forward launches after C B^T, by ``path`` (None: ``choose_forward_path``):
 
-    * "three" (default): chunk state, state passing and chunk scan as three launches;
+    * "walk": the states by one walk over the sequence (``ssd_state_walk``), then the chunk scan;
+      only where ``walk_fits`` (tensor descriptors, an EVEN launch);
+    * "three": chunk state, state passing and chunk scan as three launches;
     * "fused": one launch (``ssd_fused_fwd``), where one program's registers hold a whole state
       (``fused_fits``).  On an H200 it measured level with "three" (S2) or a few percent slower
       (S1): benchmarks/NOTES_ssd.md, v6.
     """
+    if path is None:
+        path = choose_forward_path(pr)
     if path not in FORWARD_PATHS:
         raise ValueError(f"path must be one of {FORWARD_PATHS}, got {path!r}")
     if path == "fused" and not fused_fits(pr.dims):
         raise ValueError(f"the fused forward holds a (headdim x dstate) state per program, at most "
                          f"64 x 128; got {pr.dims.p} x {pr.dims.n}: use path='three'")
+    if path == "walk" and not walk_fits(pr.dims):
+        raise ValueError("the state walk loads its tiles through tensor descriptors and needs an EVEN "
+                         "launch (the length a multiple of the chunk, power-of-two headdim and dstate, "
+                         "a GPU of compute capability 9.0 or the interpreter, MAMBAC_TMA on): use path='three'")
     if path == "fused":
         return run_fused_forward(pr, run_chunk_cb(pr), save)
-    branch = Branch(pr.x.device)   # C B^T beside the chunk states and their passing (streams.py)
+    branch = Branch(pr.x.device)   # C B^T beside the states (streams.py)
     with branch.run():
         cb = run_chunk_cb(pr)
-    states, dtp, cs = run_chunk_state(pr)
-    sin, final = run_state_pass(pr, states, cs)
+    sin, final, dtp, cs = run_states(pr, path)
     branch.join()
     y = run_chunk_scan(pr, dtp, cs, sin, cb)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)

@@ -3,13 +3,15 @@
 ``ssd_backward`` returns the gradients of every input of ``mambac::ssd`` in schema order
 (x, dt, A, B, C, D, z, dt_bias, initial_state), None where an input is absent.  Launch order:
 
-    [chunk_state, state_pass]   only when the forward's intermediates were not kept
+    [state walk, or chunk_state + state_pass]   only when the forward's intermediates were not kept
     chunk_cb_both               C B^T and B C^T per chunk and group (autograd does not keep them)
     gate_backward               with z: recomputes y; gives dz and the gated dy
     then two independent chains (on CUDA the pair chain on its own stream unless MAMBAC_SSD_STREAMS=0):
       state chain:
-        chunk_dstate            per chunk: sum_t exp(cs_t) dy_t C_t^T
-        state_pass_bwd          reverse passing: dS per chunk, d initial state, d(total decay)
+        state_walk_bwd          one reverse walk (render_state_walk): dS per chunk, d initial
+                                state, d(total decay); where it cannot run or loses (choose_walk),
+        or chunk_dstate         per chunk: sum_t exp(cs_t) dy_t C_t^T
+         + state_pass_bwd       reverse passing: dS per chunk, d initial state, d(total decay)
         dx                      dx, the direct part of ddt, dD parts
       pair chain:
         dcb                     pair weights summed over each group's heads, their per-head sums
@@ -27,21 +29,24 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd, tma
+from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd, render_state_walk, tma
 from mambac.codegen.kernel_ir import TileConfig
 from mambac.codegen.render_common import even_tiles
 from mambac.codegen.streams import Branch
-from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, dense_out, dt_extra_args, forward_prepared,
-                                        prepare, run_chunk_state, run_state_pass, scan_args, strides3,
-                                        with_cb)
+from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, choose_forward_path, choose_walk, dense_out,
+                                        dt_extra_args, forward_prepared, prepare, run_states, scan_args,
+                                        strides3, with_cb)
 from mambac.codegen.ssd_launch import (Family, cdiv, dc_candidates, dcb_candidates, dstate_candidates,
                                        dt_backward_candidates, dx_candidates, group_candidates,
-                                       head_block_candidates, pow2, run_family, state_pass_candidates)
+                                       head_block_candidates, pow2, run_family, state_pass_candidates,
+                                       walk_candidates)
 
 DSTATE = Family("ssd_chunk_dstate", lambda r, c: render_fwd.render_chunk_state(r, "dstate", 1, c.tma),
                 dstate_candidates)
 STATE_PASS_BWD = Family("ssd_state_pass_bwd", lambda r, c: render_bwd.render_state_pass_bwd(r),
                         state_pass_candidates)
+STATE_WALK_BWD = Family(render_state_walk.NAME_BWD, lambda r, c: render_state_walk.render_state_walk_bwd(r),
+                        walk_candidates)
 GATE_BWD = Family("ssd_gate_backward",
                   lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "gate_backward"),
                   head_block_candidates)
@@ -101,6 +106,38 @@ def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tenso
 
     dtot = run_family(STATE_PASS_BWD, pr.region, d, launch)
     return dsout, dinit, dtot
+
+
+def run_state_walk_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor):
+    """``run_dstate`` + ``run_state_pass_bwd`` as one reverse walk (``render_state_walk``): the
+    same (dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts)."""
+    d = pr.dims
+    dsout = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dy.device, dtype=pr.region.torch_io)
+    dinit = torch.empty(d.b, d.h, d.p, d.n, device=dy.device, dtype=torch.float32)
+
+    def launch(kern, cfg: TileConfig) -> Tensor:
+        tiles = (d.p // cfg.block_m) * (d.n // cfg.block_n)
+        dtot = torch.empty(d.b * d.h, d.nc, tiles, device=dy.device, dtype=torch.float32)
+        descs = tma.launch_descriptors(cfg, even_tiles(d, cfg.block_k), "reverse state walk", [
+            (dy, 2, (cfg.block_k, cfg.block_m)), (pr.C, 2, (cfg.block_k, cfg.block_n))])
+        kern.launch((tiles, d.b * d.h), [saved.cs, saved.sin, dfinal, dsout, dinit, dtot, d.l, d.h, d.hpg,
+                                         d.nc] + descs,
+                    dict(BT=cfg.block_k, BP=cfg.block_m, BN=cfg.block_n, P=d.p, N=d.n), cfg)
+        return dtot
+
+    dtot = run_family(STATE_WALK_BWD, pr.region, d, launch)
+    return dsout, dinit, dtot
+
+
+def run_states_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor, path: Optional[str] = None):
+    """(dS leaving each chunk, d initial state, d total-decay parts) by ``path``, "walk" or "three"
+    (None: ``choose_walk``'s measured choice)."""
+    if path is None:
+        path = choose_walk(pr, "ssd_backward_path", [STATE_WALK_BWD, DSTATE, STATE_PASS_BWD],
+                           lambda p: run_states_bwd(pr, dy, saved, dfinal, p))
+    if path == "walk":
+        return run_state_walk_bwd(pr, dy, saved, dfinal)
+    return run_state_pass_bwd(pr, run_dstate(pr, dy, saved.cs), saved, dfinal)
 
 
 def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
@@ -221,8 +258,8 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
     pr = prepare(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max)
     d, r = pr.dims, pr.region
     if saved is None:
-        states, dtp, cs = run_chunk_state(pr)
-        saved = SSDSaved(dtp=dtp, cs=cs, sin=run_state_pass(pr, states, cs)[0])
+        sin, _, dtp, cs = run_states(pr, choose_forward_path(pr))
+        saved = SSDSaved(dtp=dtp, cs=cs, sin=sin)
     saved = with_cb(pr, saved)
     dy = dy.contiguous()
     dz = None
@@ -233,8 +270,7 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
     if dfinal is None:
         dfinal = torch.zeros(d.b, d.h, d.p, d.n, device=x.device, dtype=torch.float32)
     pairs = start_pair_chain(pr, saved, dyv, C.dtype)   # beside the state chain below
-    dst = run_dstate(pr, dyv, saved.cs)
-    dsout, dinit, dtot = run_state_pass_bwd(pr, dst, saved, dfinal.contiguous())
+    dsout, dinit, dtot = run_states_bwd(pr, dyv, saved, dfinal.contiguous())
     dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, (B.dtype, C.dtype),
                                                             pairs)
     return (dx, ddt, dA.to(A.dtype), dB, dC,

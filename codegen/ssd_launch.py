@@ -187,6 +187,25 @@ def chunk_state_candidates(d: Dims) -> list[TileConfig]:
         TileConfig(block_m=bp, block_k=64, num_warps=4, num_stages=3)])
 
 
+def walk_candidates(d: Dims) -> list[TileConfig]:
+    """Tiles of ``ssd_state_walk`` (descriptor loads only): block_m the headdim tile, block_n the
+    dstate tile, block_k the steps per block; only those whose blocks divide the chunk, headdim
+    and dstate.  H200, S1 (v12): 128 steps, 64 x 64 state tiles 73.1 us, 64 x 128 76.8; 64 steps
+    95.7-102.4; 3 stages 96.8-102.4; the (dstate x headdim) orientation 75.6-82.6."""
+    if autotune.interpreting():
+        tiles = [TileConfig(block_m=min(d.pp, 16), block_k=16, block_n=min(d.np_, 16), num_warps=1, tma=True)]
+    else:
+        tiles = [TileConfig(block_m=min(d.pp, 64), block_k=bk, block_n=min(d.np_, bn), num_warps=4,
+                            num_stages=2, tma=True) for bk, bn in ((128, 64), (128, 128), (128, 32), (64, 32))]
+    return [c for c in dict.fromkeys(tiles)
+            if even_tiles(d, c.block_k) and d.pp % c.block_m == 0 and d.np_ % c.block_n == 0]
+
+
+def walk_fits(d: Dims) -> bool:
+    """Whether ``ssd_state_walk`` can run here: descriptors at hand and an EVEN launch."""
+    return tma.available() and bool(walk_candidates(d))
+
+
 def fused_fits(d: Dims) -> bool:
     """Whether the fused forward takes these sizes: one program holds a whole (headdim x dstate)
     state in fp32 registers (64 x 128 at most, 64 registers per thread at 4 warps)."""

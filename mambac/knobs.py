@@ -21,6 +21,12 @@ def _flag(name: str, default: bool = False) -> bool:
     return v.strip().lower() not in ("0", "false", "no", "off")
 
 
+def _walk_choice(v: str | None) -> str:
+    if v is None or v.strip() == "" or v.strip().lower() == "auto":
+        return "auto"
+    return "1" if _flag("MAMBAC_SSD_WALK") else "0"
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "mambac")
@@ -39,6 +45,7 @@ class Knobs:
     direct_launch: bool = True     # MAMBAC_DIRECT_LAUNCH: repeat launches skip Triton's dispatch (0: never)
     ssd_streams: bool = True       # MAMBAC_SSD_STREAMS: independent SSD launches on a second CUDA stream (0: one stream)
     tma: bool = True               # MAMBAC_TMA: SSD kernels may load tiles through tensor descriptors (0: never)
+    ssd_walk: str = "auto"         # MAMBAC_SSD_WALK: auto (measured) | 1 (always where it runs) | 0 (never): SSD states by one walk
 
 
 def _from_env() -> Knobs:
@@ -55,6 +62,7 @@ def _from_env() -> Knobs:
         direct_launch=_flag("MAMBAC_DIRECT_LAUNCH", default=True),
         ssd_streams=_flag("MAMBAC_SSD_STREAMS", default=True),
         tma=_flag("MAMBAC_TMA", default=True),
+        ssd_walk=_walk_choice(os.environ.get("MAMBAC_SSD_WALK")),
     )
 
 

@@ -106,3 +106,36 @@ def test_fused_forward_path_on_cuda(b, l, h):
               return_final_state=True)
     assert rel_err(y, ref[0]) < 1e-2 and rel_err(final, ref[1]) < 1e-2
     assert rel_err(y, y3) < 1e-2 and rel_err(final, final3) < 1e-4 and rel_err(saved.sin, saved3.sin) < 1e-2
+
+
+def test_state_walks_on_cuda():
+    """The forward's and the backward's state walks (TMA loads, an EVEN length) against the
+    per-chunk states with their passing and the float64 reference, with an initial state and two
+    groups; the autotune timer's CUDA-graph replay measures a positive time for them."""
+    import math
+    from mambac import knobs
+    from mambac.codegen import autotune, ssd_backward
+    from mambac.codegen import ssd_kernels as fk
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    b, l, h, p, n, g, q = 2, 1024, 4, 64, 128, 2, 256
+    args = [r(b, l, h, p).bfloat16(), r(b, l, h) * 0.5 - 1, -torch.rand(h, device="cuda", generator=gen) - 0.5,
+            r(b, l, g, n).bfloat16(), r(b, l, g, n).bfloat16(), r(h), None, r(h) * 0.3, r(b, h, p, n)]
+    pr = fk.prepare(*args, q, True, 0.0, math.inf)
+    if not fk.walk_fits(pr.dims):
+        pytest.skip("tensor descriptors need compute capability 9.0 and a Triton with host descriptors")
+    y, final, saved = fk.forward_prepared(pr, path="walk")
+    y3, final3, saved3 = fk.forward_prepared(pr, path="three")
+    ref = ssd(*[a.double() for a in args[:5]], chunk_size=q, D=args[5].double(), dt_bias=args[7].double(),
+              initial_state=args[8].double(), dt_softplus=True, return_final_state=True)
+    assert rel_err(y, ref[0]) < 1e-2 and rel_err(final, ref[1]) < 1e-3
+    assert rel_err(y, y3) < 1e-2 and rel_err(final, final3) < 1e-4 and rel_err(saved.sin, saved3.sin) < 1e-2
+    gy = r(b, l, h, p).bfloat16()
+    grads = {}
+    for walk in ("1", "0"):
+        with knobs.override(ssd_walk=walk):
+            grads[walk] = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+    for name, a, c in zip(("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "init"), grads["1"], grads["0"]):
+        if a is not None:
+            assert rel_err(a, c) < 1e-2, name
+    assert autotune.graph_ms(lambda: fk.run_state_walk(pr)) > 0

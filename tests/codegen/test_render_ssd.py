@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fused, render_fwd
+from mambac.codegen import (render_bwd, render_bwd_pairs, render_bwd_tiles, render_fused, render_fwd,
+                            render_state_walk)
 from mambac.codegen.kernel_ir import SSDRegion
 from tests.helpers import assert_in_order
 
@@ -30,7 +31,9 @@ def all_sources(r: SSDRegion) -> dict[str, str]:
            "dt_backward": render_bwd.render_dt_backward(r, 4),
            "dx": render_bwd_tiles.render_dx(r, 2),
            "dc": render_bwd_tiles.render_dbc(r, "c"), "db": render_bwd_tiles.render_dbc(r, "b"),
-           "dcb": render_bwd_pairs.render_dcb(r, 2)}
+           "dcb": render_bwd_pairs.render_dcb(r, 2),
+           "state_walk": render_state_walk.render_state_walk(r),
+           "state_walk_bwd": render_state_walk.render_state_walk_bwd(r)}
     if r.has_z:
         out["gate_backward"] = render_fwd.render_chunk_scan(r, 2, "gate_backward")
     return out
@@ -49,8 +52,8 @@ def test_every_flag_combination_is_valid_python(bias, softplus, clamp, d_mode, z
         uses = lambda arg: re.search(rf"\b{arg}\b", src) is not None  # noqa: E731
         assert uses("z_ptr") == (z and name in ("chunk_scan", "gate_backward")), name
         assert uses("d_ptr") == (d_mode != "none" and name in ("chunk_scan", "gate_backward", "dx"))
-        assert uses("init_ptr") == (init and name == "state_pass"), name
-        assert uses("bias_ptr") == (bias and name in ("chunk_state", "dt_backward")), name
+        assert uses("init_ptr") == (init and name in ("state_pass", "state_walk")), name
+        assert uses("bias_ptr") == (bias and name in ("chunk_state", "dt_backward", "state_walk")), name
 
 
 def test_prologue_runs_in_order_before_the_cumsum():
@@ -204,17 +207,19 @@ def test_region_validation():
 
 
 def test_descriptor_chunk_scan_source_in_order():
-    """The ``tma`` chunk scan takes four descriptors and loads C, the state, C B^T and x through
-    them (no pointer tiles for those in its loops); the epilogue is the pointer form's."""
+    """The ``tma`` chunk scan takes five descriptors and loads C, the state, C B^T and x through
+    them (no pointer tiles for those in its loops); the rows' own x for the D skip is loaded
+    before the loops, and y leaves through its descriptor."""
     src = render_fwd.render_chunk_scan(region(), 1, "forward", tma=True)
-    assert_in_order(src, "xd, cd, sd, cbd, BM: tl.constexpr", "seq0 = bi * L + pid_c * 64",
-                    "c_t = cd.load([seq0 + pid_m * BM, g * N])",
+    assert_in_order(src, "xd, cd, sd, cbd, yd, BM: tl.constexpr", "seq0 = bi * L + pid_c * 64",
+                    "c_t = cd.load([seq0 + pid_m * BM, g * N])", "x_t_0 = tl.load(x_ptr",
                     "st_0 = tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + 0) * P, 0]))",
                     "for k0 in range(0, off, BK):", "cb = cbd.load([cb_row + pid_m * BM, k0])",
                     "x_s = xd.load([seq0 + k0, (h0 + 0) * P])",
                     "for k0 in range(off, pid_m * BM + BM, BK):", "causal = ", "cb = cbd.load(",
-                    "# epilogue of head 0", "x_t = tl.load(x_ptr", "tl.store(y_ptr")
-    assert "cb_ptr + cb_base" not in src and "tl.load(c_ptr" not in src
+                    "# epilogue of head 0", "x_t = x_t_0.to(tl.float32)",
+                    "yd.store([seq0 + pid_m * BM, (h0 + 0) * P], ")
+    assert "cb_ptr + cb_base" not in src and "tl.load(c_ptr" not in src and "tl.store(y_ptr" not in src
     ast.parse(src)
     assert "cbd" not in render_fwd.render_chunk_scan(region(), 1, "forward")
 
@@ -241,4 +246,30 @@ def test_descriptor_backward_sources_in_order():
     assert_in_order(db, "b_r = ownd.load(", "x_s = hd.load(", "c_p = otherd.load(",
                     "dcb = dcbd.load([cb_row + k0, pid_m * BT])", "tl.trans(dcb)")
     for src in (dx, dcb, dc, db):
+        ast.parse(src)
+
+
+def test_state_walk_sources_in_order():
+    """The forward walk: dt one block ahead, the state entering a chunk stored at its first block
+    before the block is added, the block's decay on the state in the dot's accumulator, the final
+    state after the loop; the reverse walk: the state gradient and the total-decay part stored at
+    a chunk's last block, then the block's dy^T C added, the initial state's gradient after."""
+    fwd = render_state_walk.render_state_walk(region())
+    assert_in_order(fwd, "def ssd_state_walk(dt_ptr, a_ptr, bias_ptr, dt_min, dt_max, init_ptr, sin_ptr",
+                    "acc = tl.load(init_ptr", "d_next = tl.load(dt_ptr", "for k in range(0, NC * 64, BT):",
+                    "d_next = tl.load(dt_ptr", "tl.store(sin_ptr", "run = tl.where(k0 == 0, 0.0, run)",
+                    "d = _dt_transform(d, bias, dt_min, dt_max)", "x_s = xd.load([seq0 + k, h * P + p0])",
+                    "b_s = bd.load([seq0 + k, g * N + n0])", "xw = (x_s.to(tl.float32) * (d * tl.exp(end - cs))",
+                    "acc = tl.dot(tl.trans(xw), b_s, acc * tl.exp(end - run)", "tl.store(final_ptr")
+    assert "tl.zeros" not in fwd
+    assert "acc = tl.zeros((BP, BN)" in render_state_walk.render_state_walk(region(has_initial_state=False))
+    bwd = render_state_walk.render_state_walk_bwd(region())
+    assert_in_order(bwd, "def ssd_state_walk_bwd(cs_ptr, sin_ptr, dfinal_ptr, dsout_ptr, dinit_ptr, dtot_ptr",
+                    "acc = tl.load(dfinal_ptr", "for kk in range(0, NC * 64, BT):", "k = last - kk",
+                    "cs_prev = tl.load(cs_ptr", "tl.store(dsout_ptr", "s_in = tl.load(sin_ptr",
+                    "part = tl.exp(end) * tl.sum(tl.sum(s_in * acc, 1), 0)", "tl.store(dtot_ptr",
+                    "dy_s = dyd.load([seq0 + k, h * P + p0])", "c_s = cd.load([seq0 + k, g * N + n0])",
+                    "acc = tl.dot(tl.trans(dyw), c_s, acc * tl.exp(end - run)", "cs_cur = cs_prev",
+                    "tl.store(dinit_ptr")
+    for src in (fwd, bwd):
         ast.parse(src)

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from mambac import knobs
 from mambac.codegen import SSDSaved, ssd_backward, ssd_forward, ssd_triton
 from tests.codegen.referee import ssd_referee
 from tests.codegen.referee import check_grads
@@ -313,4 +314,57 @@ def test_descriptor_chunk_state_and_dstate_match_referee(monkeypatch, dtype, pad
     gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(12)).to(dtype)
     tiles = [(fk, "CHUNK_STATE", TileConfig(block_m=16, block_k=16, heads=heads, num_warps=1, tma=True)),
              (bk, "DSTATE", TileConfig(block_m=16, block_k=32, num_warps=1, tma=True))]
-    _with_tiles_matches(monkeypatch, args, 64, gy, tiles, seed=14)
+    with knobs.override(ssd_walk="0"):   # the per-chunk states, not the walks
+        _with_tiles_matches(monkeypatch, args, 64, gy, tiles, seed=14)
+
+
+@pytest.mark.parametrize("dtype,pad", [(torch.float32, 0), (torch.bfloat16, 3)],
+                         ids=["fp32-views", "bf16-unaligned-rows"])
+def test_state_walks_match_referee_and_the_per_chunk_states(dtype, pad):
+    """The forward's and the backward's state walks (``render_state_walk``): two chunks of four
+    step blocks, four state tiles per head (headdim and dstate 32 in 16 x 16 tiles), two groups,
+    x / B / C views of one buffer.  Forward and every gradient match the referee, and the per-chunk
+    states with their passing (``MAMBAC_SSD_WALK=0``) to rounding; so do the saved intermediates."""
+    from mambac.codegen import ssd_kernels as fk
+    from mambac.codegen import ssd_launch
+    args = _split_views(make_inputs(37, 2, 128, 4, 32, 32, 2, D="head", z=True, init=True, bias=True,
+                                    dtype=dtype), 2, pad)
+    gy = torch.randn(2, 128, 4, 32, generator=torch.Generator().manual_seed(15)).to(dtype)
+    pr = fk.prepare(*args, 64, True, 0.0, math.inf)
+    with knobs.override(ssd_walk="0"):
+        assert fk.choose_forward_path(pr) == "three"
+        base_y = ssd_forward(*args, chunk_size=64, dt_softplus=True)
+        base = ssd_backward(gy, None, *args, 64, True, 0.0, math.inf)
+        base_saved = fk.forward_prepared(pr)[2]
+    ssd_launch._PLANS.clear()
+    with knobs.override(ssd_walk="1"):
+        assert fk.choose_forward_path(pr) == "walk"
+        check(args, 64, True, NOLIM, seed=16)
+        y = ssd_forward(*args, chunk_size=64, dt_softplus=True)
+        grads = ssd_backward(gy, None, *args, 64, True, 0.0, math.inf)
+        saved = fk.forward_prepared(pr)[2]
+    assert {"ssd_state_walk", "ssd_state_walk_bwd"} <= {k[0] for k in ssd_launch._PLANS}
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(y[0], base_y[0]) <= tol and rel_err(y[1], base_y[1]) <= tol
+    for name, a, b in zip(NAMES, base, grads):
+        if a is not None:
+            assert rel_err(b, a) <= tol, name
+    assert rel_err(saved.sin, base_saved.sin) <= tol
+    assert torch.equal(saved.dtp, base_saved.dtp) and rel_err(saved.cs, base_saved.cs) <= 1e-6
+
+
+def test_state_walk_path_choice():
+    """The walk is the default where it runs (here, the interpreter); it is refused with a message,
+    and the default falls back to the per-chunk states, on a length that leaves a partial chunk,
+    with descriptors turned off (``MAMBAC_TMA=0``) or with ``MAMBAC_SSD_WALK=0``."""
+    from mambac.codegen import ssd_kernels as fk
+    even = fk.prepare(*make_inputs(3, 1, 64, 2, 16, 16, 1), 32, True, 0.0, math.inf)
+    partial = fk.prepare(*make_inputs(3, 1, 40, 2, 16, 16, 1), 32, True, 0.0, math.inf)
+    assert fk.choose_forward_path(even) == "walk"
+    assert fk.choose_forward_path(partial) == "three"
+    with pytest.raises(ValueError, match="use path='three'"):
+        fk.forward_prepared(partial, path="walk")
+    with knobs.override(tma=False):
+        assert fk.choose_forward_path(even) == "three"
+    with knobs.override(ssd_walk="0"):
+        assert fk.choose_forward_path(even) == "three"
