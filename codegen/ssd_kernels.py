@@ -239,7 +239,18 @@ def choose_walk(pr: Prepared, name: str, families: list, run: Callable[[str], ob
     With the knob at "auto" (default) the two are timed once per shape bucket and device, like a
     kernel's tiles: ``run(path)`` launches that path's kernels (their own tiles are picked first),
     ``families`` are the kernels involved, whose candidates' sources key the choice.  Under the
-    interpreter the walk is taken."""
+    interpreter the walk is taken.  The answer is remembered per (name, region, sizes, knobs), so
+    later calls cost a dictionary lookup."""
+    key = (name, pr.region, pr.dims, knobs().ssd_walk, knobs().tma)
+    if key not in _WALK_CHOICES:
+        _WALK_CHOICES[key] = _choose_walk(pr, name, families, run)
+    return _WALK_CHOICES[key]
+
+
+_WALK_CHOICES: dict[tuple, str] = {}
+
+
+def _choose_walk(pr: Prepared, name: str, families: list, run: Callable[[str], object]) -> str:
     choice = knobs().ssd_walk
     if choice == "0" or not walk_fits(pr.dims):
         return "three"
