@@ -183,7 +183,7 @@ CHECKS = {
 def run_checks(cg, which: str) -> None:
     at = importlib.import_module("mambac.codegen.autotune")
     choose = at.choose
-    at.choose = lambda family, bucket, cands, bench, **kw: cands[0]  # correctness needs no tuning
+    at.choose = lambda family, bucket, cands, bench: cands[0]  # correctness needs no tuning
     try:
         for tag, shape, extra, dtype in CHECKS[which]:
             limit = (0.001, 0.5) if "clamp" in tag else (0.0, math.inf)
@@ -427,7 +427,7 @@ def time_streams(cg, tag: str, shape: dict) -> None:
     TileConfig = importlib.import_module("mambac.codegen.kernel_ir").TileConfig
     choose = at.choose
 
-    def pinned(family, bucket, cands, bench, **kw):
+    def pinned(family, bucket, cands, bench):
         want = PINNED.get(family.split("-")[0])
         return next((c for c in cands if want is not None and c == TileConfig(**want)), cands[0])
 

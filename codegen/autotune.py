@@ -45,21 +45,18 @@ def bucket_key(*sizes: int) -> str:
 
 
 def choose(family: str, bucket: str, candidates: Sequence[TileConfig],
-           bench: Callable[[TileConfig], float],
-           parse: Callable[[str], TileConfig] = TileConfig.from_json) -> TileConfig:
+           bench: Callable[[TileConfig], float]) -> TileConfig:
     """The config for this family and bucket: remembered, persisted, or measured now.
 
     ``bench(config)`` runs the kernel with ``config`` and returns its time; a candidate whose
     compile or launch fails is skipped with a log line (another may still fit the device).
-    Candidates may be any values with ``to_json()`` (e.g. a choice between launch paths), with
-    ``parse`` reading a stored one back.
     """
     key = (family, f"{bucket}|{device_name()}")
     if key in _CHOSEN:
         return _CHOSEN[key]
     stored = cache.load_choices(family).get(key[1])
     if stored is not None:
-        _CHOSEN[key] = parse(stored)
+        _CHOSEN[key] = TileConfig.from_json(stored)
         return _CHOSEN[key]
     if interpreting() or len(candidates) == 1 or not torch.cuda.is_available():
         _CHOSEN[key] = candidates[0]

@@ -8,22 +8,22 @@ kernels cannot take (float64, CPU tensors outside the interpreter) run the op's 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from mambac.codegen import autotune, render_fused, render_fwd, render_state_walk, tma
+from mambac.codegen import render_fused, render_fwd, render_state_walk, tma
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
 from mambac.codegen.render_common import even_tiles
 from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_scan_candidates,
                                        chunk_state_candidates, fused_candidates, fused_fits, run_family,
-                                       source_of, state_pass_candidates, walk_candidates, walk_fits)
+                                       state_pass_candidates, walk_candidates, walk_fits)
 from mambac.knobs import knobs
 
 CHUNK_CB = Family("ssd_chunk_cb", lambda r, c: render_fwd.render_chunk_cb(r), cb_candidates)
@@ -219,60 +219,43 @@ def run_states(pr: Prepared, path: str) -> tuple[Tensor, Tensor, Tensor, Tensor]
     return sin, final, dtp, cs
 
 
-@dataclass(frozen=True)
-class _PathOption:
-    """A forward path as an autotune candidate (``autotune.choose`` stores its JSON)."""
-
-    path: str
-
-    def to_json(self) -> str:
-        return json.dumps({"path": self.path})
-
-    @staticmethod
-    def from_json(text: str) -> "_PathOption":
-        return _PathOption(json.loads(text)["path"])
-
-
-def choose_walk(pr: Prepared, name: str, families: list, run: Callable[[str], object]) -> str:
-    """"walk" or "three" for one direction of the states (``name`` keys the stored choice):
-    "walk" where the walk can run (``walk_fits``) and ``MAMBAC_SSD_WALK`` allows it, else "three".
-    With the knob at "auto" (default) the two are timed once per shape bucket and device, like a
-    kernel's tiles: ``run(path)`` launches that path's kernels (their own tiles are picked first),
-    ``families`` are the kernels involved, whose candidates' sources key the choice.  Under the
-    interpreter the walk is taken.  The answer is remembered per (name, region, sizes, knobs), so
-    later calls cost a dictionary lookup."""
-    key = (name, pr.region, pr.dims, knobs().ssd_walk, knobs().tma)
+def choose_walk(pr: Prepared) -> str:
+    """"walk" or "three" for the states of either direction: "walk" where the walk can run
+    (``walk_fits``) and ``MAMBAC_SSD_WALK`` allows it ("1": always there, "0": never), and, by
+    default, where its programs fill the GPU: at least two per SM at 64 x 64 state tiles (one
+    program per (batch, head, state tile) walks the whole sequence, so the walk's parallelism is
+    fixed by the sizes).  Measured on an H200 (132 SMs; benchmarks/NOTES_ssd.md, v12): S1, 384
+    programs, forward walk 70 us against 118 for the per-chunk states and their passing,
+    backward 111 against 118; S2, 128 programs, forward 183 against 175, backward 274 against 187.
+    Under the interpreter the walk is taken wherever it runs.  Remembered per (sizes, knobs, device)."""
+    key = (pr.dims, knobs().ssd_walk, knobs().tma, pr.x.device, interpreting())
     if key not in _WALK_CHOICES:
-        _WALK_CHOICES[key] = _choose_walk(pr, name, families, run)
+        _WALK_CHOICES[key] = _choose_walk(pr)
     return _WALK_CHOICES[key]
 
 
 _WALK_CHOICES: dict[tuple, str] = {}
 
 
-def _choose_walk(pr: Prepared, name: str, families: list, run: Callable[[str], object]) -> str:
+def _choose_walk(pr: Prepared) -> str:
     choice = knobs().ssd_walk
     if choice == "0" or not walk_fits(pr.dims):
         return "three"
     if choice == "1" or interpreting():
         return "walk"
-    sources = [source_of(fam, pr.region, c) for fam in families for c in fam.candidates(pr.dims)]
-    family = autotune.family_key(name, sources, [])
+    d = pr.dims
+    programs = d.b * d.h * max(1, d.pp // 64) * max(1, d.np_ // 64)
+    return "walk" if programs >= 2 * _multiprocessors(pr.x.device) else "three"
 
-    def bench(option: _PathOption) -> float:
-        run(option.path)
-        return autotune.time_ms(lambda: run(option.path))
 
-    options = [_PathOption("walk"), _PathOption("three")]
-    return autotune.choose(family, pr.dims.bucket(), options, bench, parse=_PathOption.from_json).path
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_forward_path(pr: Prepared) -> str:
-    """The forward's default path, "walk" or "three" (``choose_walk``; at S1 on an H200 the walk
-    took 73 us against 127 for the per-chunk states and their passing; with few (batch, head)
-    pairs its programs may not fill the GPU)."""
-    return choose_walk(pr, "ssd_forward_path", [STATE_WALK, CHUNK_STATE, STATE_PASS],
-                       lambda path: run_states(pr, path))
+    """The forward's default path, "walk" or "three" (``choose_walk``)."""
+    return choose_walk(pr)
 
 
 def scan_args(pr: Prepared) -> list:

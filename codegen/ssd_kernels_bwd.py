@@ -9,7 +9,7 @@
     then two independent chains (on CUDA the pair chain on its own stream unless MAMBAC_SSD_STREAMS=0):
       state chain:
         state_walk_bwd          one reverse walk (render_state_walk): dS per chunk, d initial
-                                state, d(total decay); where it cannot run or loses (choose_walk),
+                                state, d(total decay); where it cannot run or its programs would not fill the GPU (choose_walk),
         or chunk_dstate         per chunk: sum_t exp(cs_t) dy_t C_t^T
          + state_pass_bwd       reverse passing: dS per chunk, d initial state, d(total decay)
         dx                      dx, the direct part of ddt, dD parts
@@ -131,10 +131,9 @@ def run_state_walk_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor
 
 def run_states_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor, path: Optional[str] = None):
     """(dS leaving each chunk, d initial state, d total-decay parts) by ``path``, "walk" or "three"
-    (None: ``choose_walk``'s measured choice)."""
+    (None: ``choose_walk``)."""
     if path is None:
-        path = choose_walk(pr, "ssd_backward_path", [STATE_WALK_BWD, DSTATE, STATE_PASS_BWD],
-                           lambda p: run_states_bwd(pr, dy, saved, dfinal, p))
+        path = choose_walk(pr)
     if path == "walk":
         return run_state_walk_bwd(pr, dy, saved, dfinal)
     return run_state_pass_bwd(pr, run_dstate(pr, dy, saved.cs), saved, dfinal)

@@ -129,24 +129,6 @@ def test_autotune_measures_once_and_persists(tmp_path, monkeypatch):
     assert autotune.family_key("k", ["other src"], cands) != fam
 
 
-def test_autotune_choice_between_launch_paths_is_stored_and_read_back(tmp_path, monkeypatch):
-    """Candidates other than TileConfig (the SSD's walk-or-three path choice) are timed, stored as
-    their JSON and read back through ``parse`` in a new process."""
-    from mambac.codegen.ssd_kernels import _PathOption
-    monkeypatch.setattr(autotune, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(autotune, "device_name", lambda: "FakeGPU")
-    options = [_PathOption("walk"), _PathOption("three")]
-    times = {"walk": 2.0, "three": 1.0}
-    with knobs.override(cache_dir=str(tmp_path)):
-        fam = autotune.family_key("ssd_forward_path", ["a", "b"], [])
-        assert autotune.choose(fam, "b1", options, lambda o: times[o.path],
-                               parse=_PathOption.from_json) == _PathOption("three")
-        autotune._CHOSEN.clear()
-        assert autotune.choose(fam, "b1", options, lambda o: 1 / 0, parse=_PathOption.from_json) == \
-            _PathOption("three")
-
-
 def test_autotune_of_an_in_place_kernel_times_the_tuning_launch(tmp_path, monkeypatch):
     """run_family times candidates through ``tuning_launch`` (made once, only when timing), and
     launches the chosen config through ``launch`` only: the caller's data is written once."""

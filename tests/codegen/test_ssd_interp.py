@@ -368,3 +368,24 @@ def test_state_walk_path_choice():
         assert fk.choose_forward_path(even) == "three"
     with knobs.override(ssd_walk="0"):
         assert fk.choose_forward_path(even) == "three"
+
+
+def test_state_walk_default_fills_the_gpu(monkeypatch):
+    """Off the interpreter the walk is the default only where its programs (one per batch, head
+    and 64 x 64 state tile) number at least two per SM: S1 (4 x 48 heads: 384 programs) takes it on
+    a 132-SM GPU, S2 (1 x 64 heads: 128) does not; ``MAMBAC_SSD_WALK=1`` takes it anyway."""
+    from mambac.codegen import ssd_kernels as fk
+    from mambac.codegen.ssd_launch import Dims
+    monkeypatch.setattr(fk, "interpreting", lambda: False)
+    monkeypatch.setattr(fk, "walk_fits", lambda d: True)
+    monkeypatch.setattr(fk, "_multiprocessors", lambda device: 132)
+    fk._WALK_CHOICES.clear()
+    pr = fk.prepare(*make_inputs(3, 1, 64, 2, 16, 16, 1), 32, True, 0.0, math.inf)
+    s1 = dataclasses.replace(pr, dims=Dims(b=4, l=4096, h=48, g=1, p=64, n=128, q=256))
+    s2 = dataclasses.replace(pr, dims=Dims(b=1, l=16384, h=64, g=8, p=64, n=128, q=256))
+    try:
+        assert fk.choose_walk(s1) == "walk" and fk.choose_walk(s2) == "three"
+        with knobs.override(ssd_walk="1"):
+            assert fk.choose_walk(s2) == "walk"
+    finally:
+        fk._WALK_CHOICES.clear()
