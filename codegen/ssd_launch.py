@@ -150,12 +150,13 @@ def with_descriptors(d: Dims, tiles: list[TileConfig]) -> list[TileConfig]:
 
 def chunk_scan_candidates(d: Dims) -> list[TileConfig]:
     """The chunk scan's tiles: ``head_block_candidates`` and their descriptor forms, and with
-    descriptors also 64-wide partner tiles (H200, v11: 211 / 296 us at S1 / S2 against 215 / 301
-    for 32-wide ones; without descriptors 64-wide tiles were slower, v5)."""
+    descriptors also 64-wide partner tiles at two stages and at one (H200, v11: two stages 211 /
+    296 us at S1 / S2 against 215 / 301 for 32-wide ones; without descriptors 64-wide tiles were
+    slower, v5; v12, CUDA-graph timing: one stage 184.0 / 269.2 against 195.9 / 281.7 at two; dx,
+    dcb, dC and dB lost 17-80% at one stage; 128-row tiles 232-346 / 344-505)."""
     out = with_descriptors(d, head_block_candidates(d))
-    wide = TileConfig(block_m=64, block_k=64, heads=1, num_warps=4, num_stages=2, tma=True)
     if any(c.tma for c in out) and even_tiles(d, 64, 64):
-        out.append(wide)
+        out += [TileConfig(block_m=64, block_k=64, heads=1, num_warps=4, num_stages=st, tma=True) for st in (2, 1)]
     return out
 
 
