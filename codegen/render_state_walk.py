@@ -42,6 +42,28 @@ NAME = "ssd_state_walk"
 NAME_BWD = "ssd_state_walk_bwd"
 
 
+def _emit_program_tiles(w: Writer) -> None:
+    """This program's head, group and (BP x BN) state tile (``tile``: its offsets in a state)."""
+    w.lines("pid_t = tl.program_id(0)", "pid_bh = tl.program_id(1)", "bi = pid_bh // H",
+            "h = pid_bh % H", "g = h // HPG", "bi64 = bi.to(tl.int64)",
+            "p0 = (pid_t // (N // BN)) * BP", "n0 = (pid_t % (N // BN)) * BN",
+            "offs_p = p0 + tl.arange(0, BP)", "offs_n = n0 + tl.arange(0, BN)",
+            "tile = offs_p[:, None] * N + offs_n[None, :]")
+
+
+def _emit_block(w: Writer, r: SSDRegion, rows: tuple[str, str], decay: str, carry: str) -> None:
+    """One block of a walk: the (steps x BP) rows of ``rows[0]`` (x or dy, descriptor ``rows[0]d``)
+    scaled by the per-step ``decay`` and dotted with the (steps x BN) tile of ``rows[1]`` (B or C)
+    into the carried state ``acc``, which first takes the block's decay; then ``carry``."""
+    a, b = rows
+    w.lines(f"{a}_s = {a}d.load([seq0 + k, h * P + p0])", f"{b}_s = {b}d.load([seq0 + k, g * N + n0])")
+    w.comment("the step weights scale the (steps x BP) rows, not the larger (steps x BN) tile")
+    w.line(f"{a}w = " + to_io(r, f"{a}_s.to(tl.float32) * ({decay})[:, None]"))
+    w.comment("carry the state across this block, adding the block's own part")
+    w.line("acc = " + dot(r, f"tl.trans({a}w)", f"{b}_s", "acc * tl.exp(end - run)"))
+    w.line(carry)
+
+
 def render_state_walk(r: SSDRegion) -> str:
     """``ssd_state_walk``; grid ((P / BP) * (N / BN), batch * heads)."""
     q = r.chunk_size
@@ -54,12 +76,8 @@ def render_state_walk(r: SSDRegion) -> str:
              "P: tl.constexpr", "N: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def {NAME}({', '.join(args)}):"):
-        w.lines("pid_t = tl.program_id(0)", "pid_bh = tl.program_id(1)", "bi = pid_bh // H",
-                "h = pid_bh % H", "g = h // HPG", "bi64 = bi.to(tl.int64)",
-                "p0 = (pid_t // (N // BN)) * BP", "n0 = (pid_t % (N // BN)) * BN",
-                "offs_p = p0 + tl.arange(0, BP)", "offs_n = n0 + tl.arange(0, BN)",
-                "tile = offs_p[:, None] * N + offs_n[None, :]",
-                "a = tl.load(a_ptr + h).to(tl.float32)")
+        _emit_program_tiles(w)
+        w.line("a = tl.load(a_ptr + h).to(tl.float32)")
         load_bias(w, r, "h")
         if r.has_initial_state:
             w.line("acc = tl.load(init_ptr + (bi64 * H + h) * P * N + tile).to(tl.float32)")
@@ -83,13 +101,8 @@ def render_state_walk(r: SSDRegion) -> str:
             w.line(f"d = {dt_call(r, 'd')}")
             w.lines("da = d * a", "cs = run + tl.cumsum(da, 0)", "end = run + tl.sum(da, 0)",
                     "tl.store(dtp_ptr + row + k + k_in, d, mask=keep)",
-                    "tl.store(cs_ptr + row + k + k_in, cs, mask=keep)",
-                    "x_s = xd.load([seq0 + k, h * P + p0])", "b_s = bd.load([seq0 + k, g * N + n0])")
-            w.comment("the step weights scale x (steps x BP), not the larger B tile")
-            w.line("xw = " + to_io(r, "x_s.to(tl.float32) * (d * tl.exp(end - cs))[:, None]"))
-            w.comment("decay the state across this block, then add the block")
-            w.line("acc = " + dot(r, "tl.trans(xw)", "b_s", "acc * tl.exp(end - run)"))
-            w.line("run = end")
+                    "tl.store(cs_ptr + row + k + k_in, cs, mask=keep)")
+            _emit_block(w, r, ("x", "b"), "d * tl.exp(end - cs)", "run = end")
         w.line("tl.store(final_ptr + (bi64 * H + h) * P * N + tile, acc)")
     return w.source()
 
@@ -105,12 +118,8 @@ def render_state_walk_bwd(r: SSDRegion) -> str:
             "P: tl.constexpr", "N: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def {NAME_BWD}({', '.join(args)}):"):
-        w.lines("pid_t = tl.program_id(0)", "pid_bh = tl.program_id(1)", "ntiles = tl.num_programs(0)",
-                "bi = pid_bh // H", "h = pid_bh % H", "g = h // HPG", "bi64 = bi.to(tl.int64)",
-                "bh64 = pid_bh.to(tl.int64)",
-                "p0 = (pid_t // (N // BN)) * BP", "n0 = (pid_t % (N // BN)) * BN",
-                "offs_p = p0 + tl.arange(0, BP)", "offs_n = n0 + tl.arange(0, BN)",
-                "tile = offs_p[:, None] * N + offs_n[None, :]",
+        _emit_program_tiles(w)
+        w.lines("ntiles = tl.num_programs(0)", "bh64 = pid_bh.to(tl.int64)",
                 "acc = tl.load(dfinal_ptr + bh64 * P * N + tile).to(tl.float32)",
                 f"row = bh64 * (NC * {q})", "sin_at = (bi64 * NC * H + h) * P * N + tile",
                 "seq0 = bi * L", "k_in = tl.arange(0, BT)", f"last = NC * {q} - BT",
@@ -129,10 +138,6 @@ def render_state_walk_bwd(r: SSDRegion) -> str:
             w.line("part = tl.exp(end) * tl.sum(tl.sum(s_in * acc, 1), 0)")
             w.line("tl.store(dtot_ptr + (bh64 * NC + c) * ntiles + pid_t + k_in * 0, part + k_in * 0.0, "
                    f"mask=(k_in == 0) & ((k_in * 0 + k0) == {q} - BT))")
-            w.lines("dy_s = dyd.load([seq0 + k, h * P + p0])", "c_s = cd.load([seq0 + k, g * N + n0])")
-            w.line("dyw = " + to_io(r, "dy_s.to(tl.float32) * tl.exp(cs_cur - run)[:, None]"))
-            w.comment("carry G across this block to its start, adding the block's own part")
-            w.line("acc = " + dot(r, "tl.trans(dyw)", "c_s", "acc * tl.exp(end - run)"))
-            w.line("cs_cur = cs_prev")
+            _emit_block(w, r, ("dy", "c"), "tl.exp(cs_cur - run)", "cs_cur = cs_prev")
         w.line("tl.store(dinit_ptr + bh64 * P * N + tile, acc)")
     return w.source()

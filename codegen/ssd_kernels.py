@@ -1,7 +1,8 @@
 """Generated-kernel implementation of ``mambac::ssd``: forward launcher and CUDA registration.
 
-``ssd_forward`` runs the four forward kernels of ``render_fwd`` (see there for what each does)
-for the region its arguments describe; ``ssd_backward`` (``ssd_kernels_bwd.py``) the backward.
+``ssd_forward`` runs the forward kernels of ``render_fwd`` (see there for what each does; the
+states by ``render_state_walk``'s walk where it fits) for the region its arguments describe;
+``ssd_backward`` (``ssd_kernels_bwd.py``) the backward.
 ``mambac.codegen.wiring`` registers both as the device kernels of ``mambac::ssd``; calls the
 kernels cannot take (float64, CPU tensors outside the interpreter) run the op's reference.
 """
@@ -253,11 +254,6 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_forward_path(pr: Prepared) -> str:
-    """The forward's default path, "walk" or "three" (``choose_walk``)."""
-    return choose_walk(pr)
-
-
 def scan_args(pr: Prepared) -> list:
     """The shared tail of the chunk-scan style kernels' arguments (sizes and strides)."""
     d = pr.dims
@@ -312,7 +308,7 @@ def run_fused_forward(pr: Prepared, cb: Tensor, save: bool) -> tuple[Tensor, Ten
 
 def forward_prepared(pr: Prepared, save: bool = True,
                      path: Optional[str] = None) -> tuple[Tensor, Tensor, SSDSaved]:
-    """The forward launches after C B^T, by ``path`` (None: ``choose_forward_path``):
+    """The forward launches after C B^T, by ``path`` (None: ``choose_walk``'s "walk" or "three"):
 
     * "walk": the states by one walk over the sequence (``ssd_state_walk``), then the chunk scan;
       only where ``walk_fits`` (tensor descriptors, an EVEN launch);
@@ -322,7 +318,7 @@ def forward_prepared(pr: Prepared, save: bool = True,
       (S1): benchmarks/NOTES_ssd.md, v6.
     """
     if path is None:
-        path = choose_forward_path(pr)
+        path = choose_walk(pr)
     if path not in FORWARD_PATHS:
         raise ValueError(f"path must be one of {FORWARD_PATHS}, got {path!r}")
     if path == "fused" and not fused_fits(pr.dims):

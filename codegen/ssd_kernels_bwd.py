@@ -9,7 +9,8 @@
     then two independent chains (on CUDA the pair chain on its own stream unless MAMBAC_SSD_STREAMS=0):
       state chain:
         state_walk_bwd          one reverse walk (render_state_walk): dS per chunk, d initial
-                                state, d(total decay); where it cannot run or its programs would not fill the GPU (choose_walk),
+                                state, d(total decay); where it cannot run or its programs
+                                would not fill the GPU (choose_walk),
         or chunk_dstate         per chunk: sum_t exp(cs_t) dy_t C_t^T
          + state_pass_bwd       reverse passing: dS per chunk, d initial state, d(total decay)
         dx                      dx, the direct part of ddt, dD parts
@@ -29,11 +30,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mambac.codegen import render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd, render_state_walk, tma
+from mambac.codegen import (render_bwd, render_bwd_pairs, render_bwd_tiles, render_fwd, render_state_walk,
+                            tma)
 from mambac.codegen.kernel_ir import TileConfig
 from mambac.codegen.render_common import even_tiles
 from mambac.codegen.streams import Branch
-from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, choose_forward_path, choose_walk, dense_out,
+from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, choose_walk, dense_out,
                                         dt_extra_args, forward_prepared, prepare, run_states, scan_args,
                                         strides3, with_cb)
 from mambac.codegen.ssd_launch import (Family, cdiv, dc_candidates, dcb_candidates, dstate_candidates,
@@ -257,7 +259,7 @@ def ssd_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A:
     pr = prepare(x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max)
     d, r = pr.dims, pr.region
     if saved is None:
-        sin, _, dtp, cs = run_states(pr, choose_forward_path(pr))
+        sin, _, dtp, cs = run_states(pr, choose_walk(pr))
         saved = SSDSaved(dtp=dtp, cs=cs, sin=sin)
     saved = with_cb(pr, saved)
     dy = dy.contiguous()

@@ -332,13 +332,13 @@ def test_state_walks_match_referee_and_the_per_chunk_states(dtype, pad):
     gy = torch.randn(2, 128, 4, 32, generator=torch.Generator().manual_seed(15)).to(dtype)
     pr = fk.prepare(*args, 64, True, 0.0, math.inf)
     with knobs.override(ssd_walk="0"):
-        assert fk.choose_forward_path(pr) == "three"
+        assert fk.choose_walk(pr) == "three"
         base_y = ssd_forward(*args, chunk_size=64, dt_softplus=True)
         base = ssd_backward(gy, None, *args, 64, True, 0.0, math.inf)
         base_saved = fk.forward_prepared(pr)[2]
     ssd_launch._PLANS.clear()
     with knobs.override(ssd_walk="1"):
-        assert fk.choose_forward_path(pr) == "walk"
+        assert fk.choose_walk(pr) == "walk"
         check(args, 64, True, NOLIM, seed=16)
         y = ssd_forward(*args, chunk_size=64, dt_softplus=True)
         grads = ssd_backward(gy, None, *args, 64, True, 0.0, math.inf)
@@ -360,14 +360,14 @@ def test_state_walk_path_choice():
     from mambac.codegen import ssd_kernels as fk
     even = fk.prepare(*make_inputs(3, 1, 64, 2, 16, 16, 1), 32, True, 0.0, math.inf)
     partial = fk.prepare(*make_inputs(3, 1, 40, 2, 16, 16, 1), 32, True, 0.0, math.inf)
-    assert fk.choose_forward_path(even) == "walk"
-    assert fk.choose_forward_path(partial) == "three"
+    assert fk.choose_walk(even) == "walk"
+    assert fk.choose_walk(partial) == "three"
     with pytest.raises(ValueError, match="use path='three'"):
         fk.forward_prepared(partial, path="walk")
     with knobs.override(tma=False):
-        assert fk.choose_forward_path(even) == "three"
+        assert fk.choose_walk(even) == "three"
     with knobs.override(ssd_walk="0"):
-        assert fk.choose_forward_path(even) == "three"
+        assert fk.choose_walk(even) == "three"
 
 
 def test_state_walk_default_fills_the_gpu(monkeypatch):
