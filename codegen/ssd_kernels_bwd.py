@@ -131,12 +131,10 @@ def run_state_walk_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor
     return dsout, dinit, dtot
 
 
-def run_states_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor, path: Optional[str] = None):
-    """(dS leaving each chunk, d initial state, d total-decay parts) by ``path``, "walk" or "three"
-    (None: ``choose_walk``)."""
-    if path is None:
-        path = choose_walk(pr)
-    if path == "walk":
+def run_states_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor):
+    """(dS leaving each chunk, d initial state, d total-decay parts) by the reverse walk or by the
+    per-chunk reductions and the reverse passing, as ``choose_walk`` says."""
+    if choose_walk(pr) == "walk":
         return run_state_walk_bwd(pr, dy, saved, dfinal)
     return run_state_pass_bwd(pr, run_dstate(pr, dy, saved.cs), saved, dfinal)
 

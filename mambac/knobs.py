@@ -22,9 +22,11 @@ def _flag(name: str, default: bool = False) -> bool:
 
 
 def _walk_choice(v: str | None) -> str:
-    if v is None or v.strip() == "" or v.strip().lower() == "auto":
+    """MAMBAC_SSD_WALK: unset, empty or "auto" -> "auto"; otherwise a flag -> "1" or "0"."""
+    v = (v or "").strip().lower()
+    if v in ("", "auto"):
         return "auto"
-    return "1" if _flag("MAMBAC_SSD_WALK") else "0"
+    return "0" if v in ("0", "false", "no", "off") else "1"
 
 
 def _default_cache_dir() -> str:
@@ -45,7 +47,7 @@ class Knobs:
     direct_launch: bool = True     # MAMBAC_DIRECT_LAUNCH: repeat launches skip Triton's dispatch (0: never)
     ssd_streams: bool = True       # MAMBAC_SSD_STREAMS: independent SSD launches on a second CUDA stream (0: one stream)
     tma: bool = True               # MAMBAC_TMA: SSD kernels may load tiles through tensor descriptors (0: never)
-    ssd_walk: str = "auto"         # MAMBAC_SSD_WALK: auto (measured) | 1 (always where it runs) | 0 (never): SSD states by one walk
+    ssd_walk: str = "auto"         # MAMBAC_SSD_WALK: auto (where its programs fill the GPU) | 1 (wherever it runs) | 0 (never): SSD states by one walk
 
 
 def _from_env() -> Knobs:

@@ -368,6 +368,8 @@ def test_state_walk_path_choice():
         assert fk.choose_walk(even) == "three"
     with knobs.override(ssd_walk="0"):
         assert fk.choose_walk(even) == "three"
+    assert [knobs._walk_choice(v) for v in (None, "", "auto", "1", "on", "0", "off", "no")] == \
+        ["auto", "auto", "auto", "1", "1", "0", "0", "0"]
 
 
 def test_state_walk_default_fills_the_gpu(monkeypatch):
