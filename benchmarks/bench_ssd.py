@@ -26,8 +26,11 @@ Commands (default: check time parts):
               independent launches on a second stream (codegen/streams.py) and on one,
               alternated, at S1 and S2; the tiles are PINNED (autotune's choices of the sixth
               session's runs), so nothing is timed twice
-  warm K I    compile (without timing) the I-th of K slices of the autotune candidates at S1 and
-              S2, so that K processes can fill Triton's compile cache in parallel first
+  chunks      mambac's fwd and fwd+bwd (from CUDA graphs) at S1 and S2 computed with chunks of 256,
+              128 and 64 steps (the same function; the chunk length trades the quadratic
+              intra-chunk work against the states' traffic), and the S1 check at each
+  warm K I [Q,...]  compile (without timing) the I-th of K slices of the autotune candidates at S1 and
+              S2 (with chunks of Q steps, default 256), so that K processes can fill Triton's compile cache in parallel first
 Checks run with the first tile candidate (no autotune).  With $OUT set, the full results are also written there as JSON.
 """
 from __future__ import annotations
@@ -196,7 +199,7 @@ def run_checks(cg, which: str) -> None:
         importlib.import_module("mambac.codegen.ssd_launch")._PLANS.clear()
 
 
-def warm(cg, slices: int, index: int) -> None:
+def warm(cg, slices: int, index: int, lengths: tuple[int, ...] = (256,)) -> None:
     """Launch every k-th autotune candidate once (no timing) at S1 and S2: fills the compile
     cache.  Uses a private mambac cache so that no choice made here is kept."""
     import tempfile
@@ -215,7 +218,7 @@ def warm(cg, slices: int, index: int) -> None:
 
     at.time_ms = fake_time
     with knobs.override(cache_dir=tempfile.mkdtemp()):
-        for shape in (S1, S2):
+        for shape in [dict(s, q=q) for s in (S1, S2) for q in lengths]:
             time_case(cg, None, "warm", shape, fwd_only_timing=False, timed=False)
             at._CHOSEN.clear()
 
@@ -381,6 +384,31 @@ def ssd_calls(cg, shape: dict):
     return fwd, fb
 
 
+CHUNK_LENGTHS = (256, 128, 64)
+
+
+def time_chunks(cg) -> None:
+    """The same SSD computed with each of CHUNK_LENGTHS: graphed fwd and fwd+bwd at S1 and S2,
+    and the S1 check (float64 referee) at each length."""
+    for tag, shape in (("S1", S1), ("S2", S2)):
+        for q in CHUNK_LENGTHS:
+            fwd, fb = ssd_calls(cg, dict(shape, q=q))
+            try:
+                fb()
+                with torch.no_grad():
+                    rec(f"{tag} chunk {q} fwd graphed us", round(graphed_ms(fwd) * 1e3, 1))
+                rec(f"{tag} chunk {q} fwd+bwd graphed us", round(graphed_ms(fb) * 1e3, 1))
+            except Exception:
+                traceback.print_exc()
+            fwd = fb = None
+            torch.cuda.empty_cache()
+    for q in CHUNK_LENGTHS:
+        try:
+            check_case(cg, f"S1 chunk {q}", dict(S1, q=q))
+        except Exception:
+            traceback.print_exc()
+
+
 def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
     """Host cost of the ungraphed fwd+bwd, Triton's launch path against direct launches."""
     import cProfile
@@ -481,7 +509,8 @@ def main(argv: list[str]) -> None:
     rec("gpu", torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)")
     cg = import_codegen()
     if what[0] == "warm":
-        warm(cg, int(what[1]), int(what[2]))
+        lengths = tuple(int(q) for q in what[3].split(",")) if len(what) > 3 else (256,)
+        warm(cg, int(what[1]), int(what[2]), lengths)
         return
     global GRAPHED
     GRAPHED = "graphed" in what and DEV == "cuda"
@@ -494,6 +523,8 @@ def main(argv: list[str]) -> None:
         time_parts(cg, S1)
     if "parts-s2" in what:
         time_parts(cg, S2, "S2")
+    if "chunks" in what:
+        time_chunks(cg)
     if "host" in what:
         time_host(cg, "S1", S1)
     if "variants" in what:
