@@ -50,6 +50,7 @@ def _ssd(args: list) -> list[tuple[str, str, str]]:
     from mambac.codegen.kernel_ir import region_for
     from mambac.codegen.ssd_launch import Dims
     x, dt, A, B, C, D, z, dt_bias, init, chunk, softplus, lo, hi = args
+    chunk = fk.kernel_chunk(chunk)   # the length the kernels run at
     region = region_for(x, chunk, D=D, z=z, dt_bias=dt_bias, initial_state=init, dt_softplus=softplus,
                         dt_min=lo, dt_max=hi)
     b, l, h, p = x.shape

@@ -89,10 +89,32 @@ def _dense_last(t: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Opt
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+AUTO_CHUNK = 128
+
+
+def kernel_chunk(chunk_size: int) -> int:
+    """The chunk length the kernels run at for a model's ``chunk_size`` (``MAMBAC_SSD_CHUNK``).
+
+    The chunked scan computes the same function at any chunk length; the length trades the
+    quadratic work inside each chunk against the per-chunk states.  "auto" runs at most
+    ``AUTO_CHUNK`` steps: on an H200 (benchmarks/NOTES_ssd.md, v13) a 256-step model ran its
+    forward / forward+backward at S1 in 261 / 1072 us with 256-step chunks, 234 / 927 with 128
+    and 306 / 1199 with 64 (S2: 474 / 1800, 504 / 1744, 692 / 2141).  "model" keeps the model's
+    length; a number N runs at N."""
+    choice = knobs().ssd_chunk
+    if choice == "model":
+        return int(chunk_size)
+    if choice == "auto":
+        return min(int(chunk_size), AUTO_CHUNK)
+    return int(choice)
+
+
 def prepare(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
             z: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor],
             chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float) -> Prepared:
-    """Cast B/C to x's dtype, make innermost dims dense, and describe the region."""
+    """Cast B/C to x's dtype, make innermost dims dense, and describe the region (its chunk length
+    ``kernel_chunk(chunk_size)``)."""
+    chunk_size = kernel_chunk(chunk_size)
     # the interpreter cannot multiply half types (see SSDRegion.dot_precision)
     upcast = interpreting() and x.dtype in (torch.bfloat16, torch.float16)
     region = region_for(x, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_state=initial_state,
@@ -149,11 +171,13 @@ def run_chunk_state(pr: Prepared) -> tuple[Tensor, Tensor, Tensor]:
     return states, dtp, cs
 
 
-def run_chunk_cb(pr: Prepared, transposed: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """Kernel 0: C B^T inside each chunk, per group, fp32 (zeros in tile pairs above the diagonal);
-    with ``transposed`` a (C B^T, B C^T) pair from one launch."""
+def run_chunk_cb(pr: Prepared, transposed: bool = False,
+                 dtype: torch.dtype = torch.float32) -> Tensor | tuple[Tensor, Tensor]:
+    """Kernel 0: C B^T inside each chunk, per group, accumulated in fp32 and stored as ``dtype``
+    (zeros in tile pairs above the diagonal); with ``transposed`` a (C B^T, B C^T) pair from one
+    launch."""
     d, r = pr.dims, pr.region
-    out = [torch.empty(d.b, d.nc, d.g, d.q, d.q, device=pr.x.device, dtype=torch.float32)
+    out = [torch.empty(d.b, d.nc, d.g, d.q, d.q, device=pr.x.device, dtype=dtype)
            for _ in range(1 + transposed)]
 
     def launch(kern, cfg: TileConfig) -> None:
@@ -280,6 +304,14 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
     return y
 
 
+def scan_cb_dtype(pr: Prepared) -> torch.dtype:
+    """The dtype of the C B^T that the forward's chunk scan reads: the io dtype.  The scan rounds
+    each decayed weight to the io dtype before its dot anyway; storing C B^T that way halves the
+    bytes each partner step loads (the scan's largest stream, re-read by every head of the group)
+    and the shared memory its tile takes.  The backward computes its own fp32 product."""
+    return pr.region.torch_io
+
+
 def run_fused_forward(pr: Prepared, cb: Tensor, save: bool) -> tuple[Tensor, Tensor, SSDSaved]:
     """Chunk state, state passing and chunk scan in one launch (``render_fused``): y, the final
     state and the intermediates (the states entering each chunk only when ``save``)."""
@@ -332,7 +364,7 @@ def forward_prepared(pr: Prepared, save: bool = True,
         return run_fused_forward(pr, run_chunk_cb(pr), save)
     branch = Branch(pr.x.device)   # C B^T beside the states (streams.py)
     with branch.run():
-        cb = run_chunk_cb(pr)
+        cb = run_chunk_cb(pr, dtype=scan_cb_dtype(pr))
     sin, final, dtp, cs = run_states(pr, path)
     branch.join()
     y = run_chunk_scan(pr, dtp, cs, sin, cb)

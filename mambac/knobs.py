@@ -29,6 +29,17 @@ def _walk_choice(v: str | None) -> str:
     return "0" if v in ("0", "false", "no", "off") else "1"
 
 
+def _chunk_choice(v: str | None) -> str:
+    """MAMBAC_SSD_CHUNK: unset, empty or "auto" -> "auto"; "model" -> "model"; a whole number of
+    steps (at least 16) -> that number as text.  Anything else is an error naming the knob."""
+    v = (v or "").strip().lower()
+    if v in ("", "auto", "model"):
+        return v or "auto"
+    if v.isdigit() and int(v) >= 16:
+        return str(int(v))
+    raise ValueError(f"MAMBAC_SSD_CHUNK={v!r}: expected auto, model or a chunk length of at least 16 steps")
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "mambac")
@@ -48,6 +59,7 @@ class Knobs:
     ssd_streams: bool = True       # MAMBAC_SSD_STREAMS: independent SSD launches on a second CUDA stream (0: one stream)
     tma: bool = True               # MAMBAC_TMA: SSD kernels may load tiles through tensor descriptors (0: never)
     ssd_walk: str = "auto"         # MAMBAC_SSD_WALK: auto (where its programs fill the GPU) | 1 (wherever it runs) | 0 (never): SSD states by one walk
+    ssd_chunk: str = "auto"        # MAMBAC_SSD_CHUNK: auto (at most 128 steps) | model (the model's chunk_size) | N: the SSD kernels' chunk length
 
 
 def _from_env() -> Knobs:
@@ -65,6 +77,7 @@ def _from_env() -> Knobs:
         ssd_streams=_flag("MAMBAC_SSD_STREAMS", default=True),
         tma=_flag("MAMBAC_TMA", default=True),
         ssd_walk=_walk_choice(os.environ.get("MAMBAC_SSD_WALK")),
+        ssd_chunk=_chunk_choice(os.environ.get("MAMBAC_SSD_CHUNK")),
     )
 
 

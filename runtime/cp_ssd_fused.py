@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, prepare, run_chunk_cb, run_chunk_scan,
-                                        run_chunk_state, run_state_pass, with_cb)
+                                        run_chunk_state, run_state_pass, scan_cb_dtype, with_cb)
 from mambac.codegen.ssd_kernels_bwd import (backward_after_passing, run_dstate, run_gate_backward,
                                             run_state_pass_bwd)
 from mambac.runtime.context_parallel import pack_summaries, prefix_weights
@@ -91,7 +91,7 @@ def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
         s_in = weighted_rows(gathered[:exchange.rank], prefix_weights(totals, exchange.rank),
                              d.h * d.p * d.n).view_as(f_local)
         sin, final = run_state_pass(with_initial_state(pr, s_in), states, cs)
-    cb = run_chunk_cb(pr)
+    cb = run_chunk_cb(pr, dtype=scan_cb_dtype(pr))
     y = run_chunk_scan(pr, dtp, cs, sin, cb)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb), totals
 

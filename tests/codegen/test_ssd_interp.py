@@ -111,6 +111,16 @@ def test_bf16_matches_referee():
     check(args, 16, True, NOLIM)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_cb_in_io_dtype(dtype):
+    """The forward's C B^T (read only by its chunk scan) is stored in the io dtype; the output
+    still matches the referee and the backward, which forms its own fp32 product, too."""
+    args = make_inputs(9, 1, 40, 2, 8, 16, 1, D="head", z=True, dtype=dtype)
+    _, _, saved = ssd_forward(*args, chunk_size=16, dt_softplus=True, return_saved=True)
+    assert saved.cb.dtype == dtype
+    check(args, 16, True, NOLIM, seed=9)
+
+
 def test_matches_op_reference_and_autograd_wrapper():
     """Against mambac.ops.ssd's chunked reference too, and through ssd_triton's autograd."""
     ssd_ref = importlib.import_module("mambac.ops.ssd").reference
@@ -126,6 +136,33 @@ def test_matches_op_reference_and_autograd_wrapper():
     for name, a, r in zip(NAMES, leaves, ref_in):
         if a is not None:
             assert rel_err(a.grad, r.grad) < 1e-4, name
+
+
+def test_kernel_chunk_length():
+    """``MAMBAC_SSD_CHUNK``: by default the kernels run a 256-step model at 128-step chunks (shorter
+    models at their own), "model" keeps the model's, a number sets it; bad values are refused
+    with the knob's name.  Both lengths match the referee, forward and backward, at a length
+    neither divides, and the states kept for the backward are the kernels' chunks'."""
+    fk = importlib.import_module("mambac.codegen.ssd_kernels")
+    assert [knobs._chunk_choice(v) for v in (None, "", "Auto", "model", "64", "0128")] == \
+        ["auto", "auto", "auto", "model", "64", "128"]
+    for bad in ("8", "-1", "fast", "64.5"):
+        with pytest.raises(ValueError, match="MAMBAC_SSD_CHUNK"):
+            knobs._chunk_choice(bad)
+    with knobs.override(ssd_chunk="auto"):
+        assert (fk.kernel_chunk(256), fk.kernel_chunk(128), fk.kernel_chunk(48)) == (128, 128, 48)
+    with knobs.override(ssd_chunk="model"):
+        assert fk.kernel_chunk(256) == 256
+    with knobs.override(ssd_chunk="32"):
+        assert fk.kernel_chunk(256) == 32
+    args = make_inputs(17, 1, 300, 3, 4, 8, 1, D="head", z=True, init=True, bias=True)
+    for choice, q in (("auto", 128), ("model", 256)):
+        with knobs.override(ssd_chunk=choice):
+            pr = fk.prepare(*args, 256, True, 0.0, math.inf)
+            assert pr.dims.q == q and pr.region.chunk_size == q
+            _, _, saved = ssd_forward(*args, chunk_size=256, dt_softplus=True, return_saved=True)
+            assert saved.sin.shape[1] == math.ceil(300 / q)
+            check(args, 256, True, NOLIM, seed=17)
 
 
 def test_backward_recomputes_without_saved_state():
