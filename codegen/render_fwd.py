@@ -242,15 +242,16 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
     args = ["x_ptr", "cb_ptr", "c_ptr"] + (["z_ptr"] if r.has_z else [])
     args += ["d_ptr"] if r.d_mode != "none" else []
     args += ["y_ptr"] if mode == "forward" else ["dyo_ptr", "dz_ptr", "dy_ptr"]
-    args += ["dtp_ptr", "cs_ptr", "sin_ptr", "L", "H", "HPG", "NC", "P", "N",
+    args += ["dtp_ptr", "cs_ptr", "sin_ptr", "C_LO", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
     args += ["xd", "cd", "sd", "cbd"] + (["yd"] if mode == "forward" else []) if tma else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "EVEN: tl.constexpr"]
-    w.line("@triton.jit")
+    w.line('@triton.jit(do_not_specialize=["C_LO"])  # the segments of one forward share a binary')
     with w.block(f"def {name}({', '.join(args)}):"):
-        w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_bh = tl.program_id(2)",
+        w.comment("C_LO: the first chunk of this launch (a segment of the sequence's chunks)")
+        w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1) + C_LO", "pid_bh = tl.program_id(2)",
                 f"bi = pid_bh // (H // {heads})", f"h0 = (pid_bh % (H // {heads})) * {heads}",
                 "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
         emit_dims(w, even=True)

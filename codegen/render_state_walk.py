@@ -71,27 +71,33 @@ def render_state_walk(r: SSDRegion) -> str:
     header(w, NAME, r, "States entering each chunk, by one walk over the sequence per (head, state tile).")
     emit_dt_helpers(w, r)
     args = ["dt_ptr", "a_ptr"] + dt_args(r) + (["init_ptr"] if r.has_initial_state else [])
-    args += ["sin_ptr", "final_ptr", "dtp_ptr", "cs_ptr", "L", "H", "HPG", "NC", "sdb", "sdl", "sdh",
+    args += ["sin_ptr", "final_ptr", "dtp_ptr", "cs_ptr", "L", "H", "HPG", "NC", "C_LO", "C_HI",
+             "sdb", "sdl", "sdh",
              "xd", "bd", "BT: tl.constexpr", "BP: tl.constexpr", "BN: tl.constexpr",
              "P: tl.constexpr", "N: tl.constexpr"]
-    w.line("@triton.jit")
+    w.comment("the chunk range is not specialised on: the segments of one walk share a binary")
+    w.line('@triton.jit(do_not_specialize=["C_LO", "C_HI"])')
     with w.block(f"def {NAME}({', '.join(args)}):"):
         _emit_program_tiles(w)
         w.line("a = tl.load(a_ptr + h).to(tl.float32)")
         load_bias(w, r, "h")
+        w.line("final_at = final_ptr + (bi64 * H + h) * P * N + tile")
         if r.has_initial_state:
             w.line("acc = tl.load(init_ptr + (bi64 * H + h) * P * N + tile).to(tl.float32)")
         else:
             w.line("acc = tl.zeros((BP, BN), dtype=tl.float32)")
+        with w.block("if C_LO > 0:"):
+            w.comment("a later segment of the walk: go on from the state the previous one left")
+            w.line("acc = tl.load(final_at)")
         w.lines("run = a * 0.0  # cumsum of dA since the chunk's start, before this block",
                 f"row = (bi64 * H + h) * (NC * {q})", "sin_at = (bi64 * NC * H + h) * P * N + tile",
                 "seq0 = bi * L", "k_in = tl.arange(0, BT)",
                 "keep = (k_in * 0 + pid_t) == 0  # one state tile stores dt' and the cumsum",
-                "d_next = tl.load(dt_ptr + bi64 * sdb + k_in * sdl + h * sdh).to(tl.float32)")
-        with w.block(f"for k in range(0, NC * {q}, BT):"):
+                f"d_next = tl.load(dt_ptr + bi64 * sdb + (C_LO * {q} + k_in) * sdl + h * sdh).to(tl.float32)")
+        with w.block(f"for k in range(C_LO * {q}, C_HI * {q}, BT):"):
             w.lines(f"k0 = k % {q}", "d = d_next")
             w.comment("the next block's dt, loaded a block ahead (the last block loads itself again)")
-            w.line(f"ahead = tl.minimum(k + BT, NC * {q} - BT)")
+            w.line(f"ahead = tl.minimum(k + BT, C_HI * {q} - BT)")
             w.line("d_next = tl.load(dt_ptr + bi64 * sdb + (ahead + k_in) * sdl + h * sdh).to(tl.float32)")
             w.comment("a chunk's first block: store the state entering the chunk, restart the cumsum")
             w.line("first = (offs_n * 0 + k0) == 0")
@@ -103,7 +109,8 @@ def render_state_walk(r: SSDRegion) -> str:
                     "tl.store(dtp_ptr + row + k + k_in, d, mask=keep)",
                     "tl.store(cs_ptr + row + k + k_in, cs, mask=keep)")
             _emit_block(w, r, ("x", "b"), "d * tl.exp(end - cs)", "run = end")
-        w.line("tl.store(final_ptr + (bi64 * H + h) * P * N + tile, acc)")
+        w.comment("the state leaving the walked chunks: the final state after the last segment")
+        w.line("tl.store(final_at, acc)")
     return w.source()
 
 

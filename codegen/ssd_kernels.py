@@ -8,6 +8,7 @@ kernels cannot take (float64, CPU tensors outside the interpreter) run the op's 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -21,7 +22,7 @@ from mambac.codegen import render_fused, render_fwd, render_state_walk, tma
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
 from mambac.codegen.render_common import even_tiles
-from mambac.codegen.streams import Branch
+from mambac.codegen.streams import Branch, urgent_stream
 from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_scan_candidates,
                                        chunk_state_candidates, fused_candidates, fused_fits, run_family,
                                        state_pass_candidates, walk_candidates, walk_fits)
@@ -214,17 +215,28 @@ def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Te
     return sin, final
 
 
-def run_state_walk(pr: Prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Kernels 1 + 2 as one walk (``render_state_walk``): the states entering each chunk (io
-    dtype), the final state (fp32), dt' and the dA cumsum."""
+def walk_buffers(pr: Prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What ``ssd_state_walk`` writes: the states entering each chunk (io dtype), the final state
+    (fp32), dt' and the dA cumsum."""
     d, r = pr.dims, pr.region
     dtp, cs = dt_buffers(pr)
     sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=pr.x.device, dtype=r.torch_io)
     final = torch.empty(d.b, d.h, d.p, d.n, device=pr.x.device, dtype=torch.float32)
+    return sin, final, dtp, cs
+
+
+def run_state_walk(pr: Prepared, bufs: Optional[tuple] = None, lo: int = 0,
+                   hi: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Kernels 1 + 2 as one walk (``render_state_walk``) over chunks ``lo`` .. ``hi`` (default: all)
+    into ``bufs`` (default: new ``walk_buffers``); a walk from ``lo`` > 0 goes on from the state
+    ``final`` holds, the one the walk up to ``lo`` left there.  Returns the buffers."""
+    d, r = pr.dims, pr.region
+    sin, final, dtp, cs = bufs if bufs is not None else walk_buffers(pr)
+    hi = d.nc if hi is None else hi
     init = [pr.init] if r.has_initial_state else []
 
     def launch(kern, cfg: TileConfig) -> None:
-        args = [pr.dt, pr.A] + dt_extra_args(pr) + init + [sin, final, dtp, cs, d.l, d.h, d.hpg, d.nc]
+        args = [pr.dt, pr.A] + dt_extra_args(pr) + init + [sin, final, dtp, cs, d.l, d.h, d.hpg, d.nc, lo, hi]
         args += strides3(pr.dt) + tma.launch_descriptors(cfg, even_tiles(d, cfg.block_k), "state walk", [
             (pr.x, 2, (cfg.block_k, cfg.block_m)), (pr.B, 2, (cfg.block_k, cfg.block_n))])
         kern.launch(((d.p // cfg.block_m) * (d.n // cfg.block_n), d.b * d.h), args,
@@ -285,10 +297,13 @@ def scan_args(pr: Prepared) -> list:
     return out + (strides3(pr.z) if pr.region.has_z else [])
 
 
-def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tensor) -> Tensor:
-    """Kernel 3: y for every chunk, with the D skip and z gate fused."""
+def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tensor,
+                   y: Optional[Tensor] = None, lo: int = 0, hi: Optional[int] = None) -> Tensor:
+    """Kernel 3: y for chunks ``lo`` .. ``hi`` (default: all; into ``y`` when given), with the D
+    skip and z gate fused."""
     d, r = pr.dims, pr.region
-    y = dense_out(pr, pr.x.dtype)
+    y = dense_out(pr, pr.x.dtype) if y is None else y
+    hi = d.nc if hi is None else hi
     head = [pr.x, cb, pr.C] + ([pr.z] if r.has_z else []) + ([pr.D] if pr.D is not None else [])
 
     def launch(kern, cfg: TileConfig) -> None:
@@ -296,12 +311,32 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
         descs = tma.launch_descriptors(cfg, even, "chunk scan", [
             (pr.x, 2, (cfg.block_k, d.p)), (pr.C, 2, (cfg.block_m, d.n)), (sin, 4, (d.p, d.n)),
             (cb, 4, (cfg.block_m, cfg.block_k)), (y, 2, (cfg.block_m, d.p))])
-        kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
-                    head + [y, dtp, cs, sin] + scan_args(pr) + descs,
+        kern.launch((cdiv(d.q, cfg.block_m), hi - lo, d.b * d.h // cfg.heads),
+                    head + [y, dtp, cs, sin, lo] + scan_args(pr) + descs,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
 
     run_family(CHUNK_SCAN, r, d, launch)
     return y
+
+
+def walk_segments(pr: Prepared) -> list[tuple[int, int]]:
+    """The chunk ranges of the forward's pipelined walk (``MAMBAC_SSD_SEGMENTS``): the walk over
+    segment i + 1 runs beside the chunk scan of segment i, so the scan's programs fill the SMs
+    that the walk's few programs leave idle.  "auto": SEGMENTS_AUTO segments on CUDA where each
+    holds at least two chunks, one elsewhere; N: N segments of near-equal chunk counts (at most
+    one per chunk)."""
+    nc, choice = pr.dims.nc, knobs().ssd_segments
+    if choice == "auto":
+        k = SEGMENTS_AUTO if pr.x.device.type == "cuda" and not interpreting() else 1
+        k = max(1, min(k, nc // 2))
+    else:
+        k = min(int(choice), nc)
+    bounds = [nc * i // k for i in range(k + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+SEGMENTS_AUTO = 4
+URGENT_WALKS = True  # the segments' walks on a stream of the highest priority
 
 
 def scan_cb_dtype(pr: Prepared) -> torch.dtype:
@@ -365,9 +400,31 @@ def forward_prepared(pr: Prepared, save: bool = True,
     branch = Branch(pr.x.device)   # C B^T beside the states (streams.py)
     with branch.run():
         cb = run_chunk_cb(pr, dtype=scan_cb_dtype(pr))
-    sin, final, dtp, cs = run_states(pr, path)
+    segments = walk_segments(pr) if path == "walk" else [(0, pr.dims.nc)]
+    if len(segments) == 1:
+        sin, final, dtp, cs = run_states(pr, path)
+        branch.join()
+        y = run_chunk_scan(pr, dtp, cs, sin, cb)
+        return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
+    bufs = sin, final, dtp, cs = walk_buffers(pr)
+    y = dense_out(pr, pr.x.dtype)
+    main = torch.cuda.current_stream(pr.x.device) if pr.x.is_cuda else None
+    walks = urgent_stream(pr.x.device) if URGENT_WALKS else None
+    if walks is not None:
+        walks.wait_stream(main)
     branch.join()
-    y = run_chunk_scan(pr, dtp, cs, sin, cb)
+    for lo, hi in segments:
+        # the walk of segment i + 1 runs beside the chunk scan of segment i; on a stream of the
+        # highest priority its few programs start before the scan's many
+        with torch.cuda.stream(walks) if walks is not None else contextlib.nullcontext():
+            run_state_walk(pr, bufs, lo, hi)
+        if walks is not None:
+            main.wait_stream(walks)
+            run_chunk_scan(pr, dtp, cs, sin, cb, y, lo, hi)
+        else:
+            with branch.run():   # after this segment's walk, beside the next walk
+                run_chunk_scan(pr, dtp, cs, sin, cb, y, lo, hi)
+    branch.join()
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
 
 

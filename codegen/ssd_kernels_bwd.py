@@ -69,7 +69,7 @@ def run_gate_backward(pr: Prepared, saved: SSDSaved, dy_out: Tensor) -> tuple[Te
 
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.h // cfg.heads),
-                    head + [dy_out, dz, dy, saved.dtp, saved.cs, saved.sin] + scan_args(pr),
+                    head + [dy_out, dz, dy, saved.dtp, saved.cs, saved.sin, 0] + scan_args(pr),
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_,
                          EVEN=even_tiles(d, cfg.block_m, cfg.block_k)), cfg)
 

@@ -40,6 +40,17 @@ def _chunk_choice(v: str | None) -> str:
     raise ValueError(f"MAMBAC_SSD_CHUNK={v!r}: expected auto, model or a chunk length of at least 16 steps")
 
 
+def _segments_choice(v: str | None) -> str:
+    """MAMBAC_SSD_SEGMENTS: unset, empty or "auto" -> "auto"; a whole number of segments (at least
+    1) -> that number as text.  Anything else is an error naming the knob."""
+    v = (v or "").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v.isdigit() and int(v) >= 1:
+        return str(int(v))
+    raise ValueError(f"MAMBAC_SSD_SEGMENTS={v!r}: expected auto or a number of segments of at least 1")
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "mambac")
@@ -60,6 +71,7 @@ class Knobs:
     tma: bool = True               # MAMBAC_TMA: SSD kernels may load tiles through tensor descriptors (0: never)
     ssd_walk: str = "auto"         # MAMBAC_SSD_WALK: auto (where its programs fill the GPU) | 1 (wherever it runs) | 0 (never): SSD states by one walk
     ssd_chunk: str = "auto"        # MAMBAC_SSD_CHUNK: auto (at most 128 steps) | model (the model's chunk_size) | N: the SSD kernels' chunk length
+    ssd_segments: str = "auto"     # MAMBAC_SSD_SEGMENTS: auto | N: the SSD forward's state walk and chunk scan in N pipelined segments
 
 
 def _from_env() -> Knobs:
@@ -78,6 +90,7 @@ def _from_env() -> Knobs:
         tma=_flag("MAMBAC_TMA", default=True),
         ssd_walk=_walk_choice(os.environ.get("MAMBAC_SSD_WALK")),
         ssd_chunk=_chunk_choice(os.environ.get("MAMBAC_SSD_CHUNK")),
+        ssd_segments=_segments_choice(os.environ.get("MAMBAC_SSD_SEGMENTS")),
     )
 
 

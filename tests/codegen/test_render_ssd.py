@@ -250,17 +250,19 @@ def test_descriptor_backward_sources_in_order():
 
 
 def test_state_walk_sources_in_order():
-    """The forward walk: dt one block ahead, the state entering a chunk stored at its first block
+    """The forward walk over chunks C_LO .. C_HI (from the state the previous segment left when
+    C_LO > 0): dt one block ahead, the state entering a chunk stored at its first block
     before the block is added, the block's decay on the state in the dot's accumulator, the final
     state after the loop; the reverse walk: the state gradient and the total-decay part stored at
     a chunk's last block, then the block's dy^T C added, the initial state's gradient after."""
     fwd = render_state_walk.render_state_walk(region())
     assert_in_order(fwd, "def ssd_state_walk(dt_ptr, a_ptr, bias_ptr, dt_min, dt_max, init_ptr, sin_ptr",
-                    "acc = tl.load(init_ptr", "d_next = tl.load(dt_ptr", "for k in range(0, NC * 64, BT):",
+                    "acc = tl.load(init_ptr", "if C_LO > 0:", "acc = tl.load(final_at)", "d_next = tl.load(dt_ptr",
+                    "for k in range(C_LO * 64, C_HI * 64, BT):",
                     "d_next = tl.load(dt_ptr", "tl.store(sin_ptr", "run = tl.where(k0 == 0, 0.0, run)",
                     "d = _dt_transform(d, bias, dt_min, dt_max)", "x_s = xd.load([seq0 + k, h * P + p0])",
                     "b_s = bd.load([seq0 + k, g * N + n0])", "xw = (x_s.to(tl.float32) * (d * tl.exp(end - cs))",
-                    "acc = tl.dot(tl.trans(xw), b_s, acc * tl.exp(end - run)", "tl.store(final_ptr")
+                    "acc = tl.dot(tl.trans(xw), b_s, acc * tl.exp(end - run)", "tl.store(final_at, acc)")
     assert "tl.zeros" not in fwd
     assert "acc = tl.zeros((BP, BN)" in render_state_walk.render_state_walk(region(has_initial_state=False))
     bwd = render_state_walk.render_state_walk_bwd(region())

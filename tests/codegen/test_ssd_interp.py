@@ -428,3 +428,40 @@ def test_state_walk_default_fills_the_gpu(monkeypatch):
             assert fk.choose_walk(s2) == "walk"
     finally:
         fk._WALK_CHOICES.clear()
+
+
+def test_pipelined_walk_segments_match_one_walk():
+    """The forward's walk and chunk scan in segments (``MAMBAC_SSD_SEGMENTS``): five chunks in three
+    segments of 1, 2 and 2 chunks, with an initial state (the first segment starts from it, the
+    others from the state the one before left) give the one-segment forward's y, final state and
+    saved intermediates exactly, and match the referee."""
+    from mambac.codegen import ssd_kernels as fk
+    args = make_inputs(41, 2, 160, 3, 16, 32, 1, D="head", z=True, init=True, bias=True)
+    pr = fk.prepare(*args, 32, True, 0.0, math.inf)
+    with knobs.override(ssd_segments="3"):
+        assert fk.walk_segments(pr) == [(0, 1), (1, 3), (3, 5)]
+        y, final, saved = fk.forward_prepared(pr, path="walk")
+        check(args, 32, True, NOLIM, seed=42)
+    with knobs.override(ssd_segments="1"):
+        assert fk.walk_segments(pr) == [(0, 5)]
+        y1, final1, saved1 = fk.forward_prepared(pr, path="walk")
+    assert torch.equal(y, y1) and torch.equal(final, final1)
+    assert torch.equal(saved.sin, saved1.sin) and torch.equal(saved.cs, saved1.cs)
+    ref_y, ref_final = ssd_referee(*[a.double() if a is not None else None for a in args], True, *NOLIM)
+    assert rel_err(y, ref_y) <= 1e-4 and rel_err(final, ref_final) <= 1e-4
+
+
+def test_walk_segments_choice():
+    """"auto" is one segment off CUDA; N segments split the chunks near-evenly, never more than
+    one per chunk; anything but auto or a whole number of at least 1 is refused naming the knob."""
+    from mambac.codegen import ssd_kernels as fk
+    pr = fk.prepare(*make_inputs(3, 1, 96, 2, 16, 16, 1), 32, True, 0.0, math.inf)
+    assert fk.walk_segments(pr) == [(0, 3)]
+    with knobs.override(ssd_segments="8"):
+        assert fk.walk_segments(pr) == [(0, 1), (1, 2), (2, 3)]
+    with knobs.override(ssd_segments="2"):
+        assert fk.walk_segments(pr) == [(0, 1), (1, 3)]
+    assert [knobs._segments_choice(v) for v in (None, "", "auto", "4", " 02 ")] == ["auto", "auto", "auto", "4", "2"]
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(ValueError, match="MAMBAC_SSD_SEGMENTS"):
+            knobs._segments_choice(bad)
