@@ -8,7 +8,6 @@ kernels cannot take (float64, CPU tensors outside the interpreter) run the op's 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -22,7 +21,7 @@ from mambac.codegen import render_fused, render_fwd, render_state_walk, tma
 from mambac.codegen.autotune import interpreting
 from mambac.codegen.kernel_ir import KERNEL_DTYPES, SSDRegion, TileConfig, region_for
 from mambac.codegen.render_common import even_tiles
-from mambac.codegen.streams import Branch, urgent_stream
+from mambac.codegen.streams import Branch
 from mambac.codegen.ssd_launch import (Dims, Family, cb_candidates, cdiv, chunk_scan_candidates,
                                        chunk_state_candidates, fused_candidates, fused_fits, run_family,
                                        state_pass_candidates, walk_candidates, walk_fits)
@@ -280,9 +279,25 @@ def _choose_walk(pr: Prepared) -> str:
         return "three"
     if choice == "1" or interpreting():
         return "walk"
+    return "walk" if walk_fills(pr) else "three"
+
+
+def walk_fills(pr: Prepared) -> bool:
+    """Whether the walk's programs (one per batch, head and 64 x 64 state tile) number at least
+    two per SM."""
     d = pr.dims
     programs = d.b * d.h * max(1, d.pp // 64) * max(1, d.np_ // 64)
-    return "walk" if programs >= 2 * _multiprocessors(pr.x.device) else "three"
+    return programs >= 2 * _multiprocessors(pr.x.device)
+
+
+def forward_path(pr: Prepared) -> str:
+    """The forward's states: ``choose_walk``'s choice, except that by default (``MAMBAC_SSD_WALK``
+    auto) the forward takes the walk wherever it runs, pipelined in segments
+    (``walk_segments``) where its programs alone would not fill the GPU."""
+    path = choose_walk(pr)
+    if path == "three" and knobs().ssd_walk == "auto" and walk_fits(pr.dims):
+        return "walk"
+    return path
 
 
 @functools.lru_cache(maxsize=None)
@@ -321,13 +336,17 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
 
 def walk_segments(pr: Prepared) -> list[tuple[int, int]]:
     """The chunk ranges of the forward's pipelined walk (``MAMBAC_SSD_SEGMENTS``): the walk over
-    segment i + 1 runs beside the chunk scan of segment i, so the scan's programs fill the SMs
-    that the walk's few programs leave idle.  "auto": SEGMENTS_AUTO segments on CUDA where each
-    holds at least two chunks, one elsewhere; N: N segments of near-equal chunk counts (at most
-    one per chunk)."""
+    segment i + 1 runs beside the chunk scan of segment i, so the scan's programs fill the SMs that
+    the walk's few programs leave idle.  "auto": one segment where the walk's programs fill the
+    GPU (``walk_fills``) and off CUDA, else SEGMENTS_AUTO (at least two chunks each); N: N
+    segments of near-equal chunk counts (at most one per chunk).  H100, CUDA graphs
+    (benchmarks/NOTES_ssd.md, v13): S2 (128 programs) forward 569 us in one segment, 446 in
+    four, 460 in eight (596 by the per-chunk states); S1 (384 programs) 262 in one, 268 / 294 /
+    321 in two / four / eight (the walk already fills the SMs, and every segment boundary
+    waits for the slower of the two)."""
     nc, choice = pr.dims.nc, knobs().ssd_segments
     if choice == "auto":
-        k = SEGMENTS_AUTO if pr.x.device.type == "cuda" and not interpreting() else 1
+        k = SEGMENTS_AUTO if _on_gpu(pr) and not walk_fills(pr) else 1
         k = max(1, min(k, nc // 2))
     else:
         k = min(int(choice), nc)
@@ -336,7 +355,10 @@ def walk_segments(pr: Prepared) -> list[tuple[int, int]]:
 
 
 SEGMENTS_AUTO = 4
-URGENT_WALKS = True  # the segments' walks on a stream of the highest priority
+
+
+def _on_gpu(pr: Prepared) -> bool:
+    return pr.x.is_cuda and not interpreting()
 
 
 def scan_cb_dtype(pr: Prepared) -> torch.dtype:
@@ -375,17 +397,18 @@ def run_fused_forward(pr: Prepared, cb: Tensor, save: bool) -> tuple[Tensor, Ten
 
 def forward_prepared(pr: Prepared, save: bool = True,
                      path: Optional[str] = None) -> tuple[Tensor, Tensor, SSDSaved]:
-    """The forward launches after C B^T, by ``path`` (None: ``choose_walk``'s "walk" or "three"):
+    """The forward launches after C B^T, by ``path`` (None: ``forward_path``'s "walk" or "three"):
 
-    * "walk": the states by one walk over the sequence (``ssd_state_walk``), then the chunk scan;
-      only where ``walk_fits`` (tensor descriptors, an EVEN launch);
+    * "walk": the states by one walk over the sequence (``ssd_state_walk``), then the chunk scan,
+      both in the segments of ``walk_segments``; only where ``walk_fits`` (tensor descriptors, an
+      EVEN launch);
     * "three": chunk state, state passing and chunk scan as three launches;
     * "fused": one launch (``ssd_fused_fwd``), where one program's registers hold a whole state
       (``fused_fits``).  On an H200 it measured level with "three" (S2) or a few percent slower
       (S1): benchmarks/NOTES_ssd.md, v6.
     """
     if path is None:
-        path = choose_walk(pr)
+        path = forward_path(pr)
     if path not in FORWARD_PATHS:
         raise ValueError(f"path must be one of {FORWARD_PATHS}, got {path!r}")
     if path == "fused" and not fused_fits(pr.dims):
@@ -408,22 +431,10 @@ def forward_prepared(pr: Prepared, save: bool = True,
         return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
     bufs = sin, final, dtp, cs = walk_buffers(pr)
     y = dense_out(pr, pr.x.dtype)
-    main = torch.cuda.current_stream(pr.x.device) if pr.x.is_cuda else None
-    walks = urgent_stream(pr.x.device) if URGENT_WALKS else None
-    if walks is not None:
-        walks.wait_stream(main)
-    branch.join()
     for lo, hi in segments:
-        # the walk of segment i + 1 runs beside the chunk scan of segment i; on a stream of the
-        # highest priority its few programs start before the scan's many
-        with torch.cuda.stream(walks) if walks is not None else contextlib.nullcontext():
-            run_state_walk(pr, bufs, lo, hi)
-        if walks is not None:
-            main.wait_stream(walks)
+        run_state_walk(pr, bufs, lo, hi)
+        with branch.run():   # after this segment's walk: its chunk scan, beside the next walk
             run_chunk_scan(pr, dtp, cs, sin, cb, y, lo, hi)
-        else:
-            with branch.run():   # after this segment's walk, beside the next walk
-                run_chunk_scan(pr, dtp, cs, sin, cb, y, lo, hi)
     branch.join()
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb)
 

@@ -157,6 +157,9 @@ def chunk_scan_candidates(d: Dims) -> list[TileConfig]:
     out = with_descriptors(d, head_block_candidates(d))
     if any(c.tma for c in out) and even_tiles(d, 64, 64):
         out += [TileConfig(block_m=64, block_k=64, heads=1, num_warps=4, num_stages=st, tma=True) for st in (2, 1)]
+    if any(c.tma for c in out) and d.q == 128 and even_tiles(d, 128, 128):
+        # a 128-step chunk in one row tile: no partner loop (one 128 x 128 tile) or two 64-wide steps
+        out += [TileConfig(block_m=128, block_k=bk, heads=1, num_warps=8, num_stages=1, tma=True) for bk in (128, 64)]
     return out
 
 

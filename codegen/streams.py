@@ -60,18 +60,3 @@ class Branch:
         if self.side is not None:
             self.main.wait_stream(self.side)
 
-
-_URGENT: dict[int, "torch.cuda.Stream"] = {}
-
-
-def urgent_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
-    """A per-device stream of the highest priority (its pending programs are started before those
-    of normal streams), or None when branches run in place (CPU, ``MAMBAC_SSD_STREAMS=0``)."""
-    if device.type != "cuda" or not knobs().ssd_streams:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _URGENT.get(index)
-    if stream is None:
-        high = torch.cuda.Stream.priority_range()[1] if hasattr(torch.cuda.Stream, "priority_range") else -1
-        stream = _URGENT[index] = torch.cuda.Stream(device=index, priority=high)
-    return stream

@@ -410,9 +410,10 @@ def test_state_walk_path_choice():
 
 
 def test_state_walk_default_fills_the_gpu(monkeypatch):
-    """Off the interpreter the walk is the default only where its programs (one per batch, head
-    and 64 x 64 state tile) number at least two per SM: S1 (4 x 48 heads: 384 programs) takes it on
-    a 132-SM GPU, S2 (1 x 64 heads: 128) does not; ``MAMBAC_SSD_WALK=1`` takes it anyway."""
+    """Off the interpreter the backward's walk is the default only where its programs (one per
+    batch, head and 64 x 64 state tile) number at least two per SM: S1 (4 x 48 heads: 384
+    programs) takes it on a 132-SM GPU, S2 (1 x 64 heads: 128) does not; ``MAMBAC_SSD_WALK=1``
+    takes it anyway.  The forward takes the walk at both, in one segment at S1 and in four at S2."""
     from mambac.codegen import ssd_kernels as fk
     from mambac.codegen.ssd_launch import Dims
     monkeypatch.setattr(fk, "interpreting", lambda: False)
@@ -422,10 +423,19 @@ def test_state_walk_default_fills_the_gpu(monkeypatch):
     pr = fk.prepare(*make_inputs(3, 1, 64, 2, 16, 16, 1), 32, True, 0.0, math.inf)
     s1 = dataclasses.replace(pr, dims=Dims(b=4, l=4096, h=48, g=1, p=64, n=128, q=256))
     s2 = dataclasses.replace(pr, dims=Dims(b=1, l=16384, h=64, g=8, p=64, n=128, q=256))
+    monkeypatch.setattr(fk, "_on_gpu", lambda pr: True)
     try:
         assert fk.choose_walk(s1) == "walk" and fk.choose_walk(s2) == "three"
         with knobs.override(ssd_walk="1"):
             assert fk.choose_walk(s2) == "walk"
+        # the forward takes the walk at both, pipelined in segments where it would not fill the GPU
+        assert fk.forward_path(s1) == "walk" and fk.walk_segments(s1) == [(0, 16)]
+        assert fk.forward_path(s2) == "walk"
+        assert fk.walk_segments(s2) == [(0, 16), (16, 32), (32, 48), (48, 64)]
+        with knobs.override(ssd_walk="0"):
+            assert fk.forward_path(s1) == "three" and fk.forward_path(s2) == "three"
+        with knobs.override(ssd_segments="2"):
+            assert fk.walk_segments(s1) == [(0, 8), (8, 16)]
     finally:
         fk._WALK_CHOICES.clear()
 
