@@ -62,7 +62,7 @@ _PLANS: dict[tuple, tuple[CompiledKernel, TileConfig]] = {}
 
 
 def source_of(fam: Family, region: SSDRegion, cfg: TileConfig) -> str:
-    key = (fam.name, region, cfg.heads, cfg.tma)
+    key = (fam.name, region, cfg.heads, cfg.tma, cfg.chunks > 1)
     if key not in _SOURCES:
         _SOURCES[key] = fam.render(region, cfg)
     return _SOURCES[key]
@@ -160,7 +160,15 @@ def chunk_scan_candidates(d: Dims) -> list[TileConfig]:
     if any(c.tma for c in out) and d.q == 128 and even_tiles(d, 128, 128):
         # a 128-step chunk in one row tile: no partner loop (one 128 x 128 tile) or two 64-wide steps
         out += [TileConfig(block_m=128, block_k=bk, heads=1, num_warps=8, num_stages=1, tma=True) for bk in (128, 64)]
+    if any(c.tma for c in out) and d.q in (64, 128):
+        # persistent: consecutive chunks per program, the next chunk's tiles loaded during this one's dots
+        out += [TileConfig(block_m=bm, block_k=d.q, num_warps=w, num_stages=2, tma=True, chunks=k)
+                for bm, w, k in PERSISTENT_SCAN_TILES if even_tiles(d, bm, d.q)]
     return out
+
+
+# (block_m, num_warps, chunks per program) of the persistent chunk scan's candidates
+PERSISTENT_SCAN_TILES = ((64, 4, 4), (64, 4, 16), (64, 8, 8), (128, 8, 8))
 
 
 def dx_candidates(d: Dims) -> list[TileConfig]:
