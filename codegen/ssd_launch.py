@@ -153,22 +153,13 @@ def chunk_scan_candidates(d: Dims) -> list[TileConfig]:
     descriptors also 64-wide partner tiles at two stages and at one (H200, v11: two stages 211 /
     296 us at S1 / S2 against 215 / 301 for 32-wide ones; without descriptors 64-wide tiles were
     slower, v5; v12, CUDA-graph timing: one stage 184.0 / 269.2 against 195.9 / 281.7 at two; dx,
-    dcb, dC and dB lost 17-80% at one stage; 128-row tiles 232-346 / 344-505)."""
+    dcb, dC and dB lost 17-80% at one stage; 128-row tiles 232-346 / 344-505).  At 128-step chunks
+    (H200, v14, S1): the 64 x 64 one-stage tile 149.9 us; 128-row tiles 215.7-287.5; the
+    persistent form (``TileConfig.chunks``, not offered) 205.8-312.7."""
     out = with_descriptors(d, head_block_candidates(d))
     if any(c.tma for c in out) and even_tiles(d, 64, 64):
         out += [TileConfig(block_m=64, block_k=64, heads=1, num_warps=4, num_stages=st, tma=True) for st in (2, 1)]
-    if any(c.tma for c in out) and d.q == 128 and even_tiles(d, 128, 128):
-        # a 128-step chunk in one row tile: no partner loop (one 128 x 128 tile) or two 64-wide steps
-        out += [TileConfig(block_m=128, block_k=bk, heads=1, num_warps=8, num_stages=1, tma=True) for bk in (128, 64)]
-    if any(c.tma for c in out) and d.q in (64, 128):
-        # persistent: consecutive chunks per program, the next chunk's tiles loaded during this one's dots
-        out += [TileConfig(block_m=bm, block_k=d.q, num_warps=w, num_stages=2, tma=True, chunks=k)
-                for bm, w, k in PERSISTENT_SCAN_TILES if even_tiles(d, bm, d.q)]
     return out
-
-
-# (block_m, num_warps, chunks per program) of the persistent chunk scan's candidates
-PERSISTENT_SCAN_TILES = ((64, 4, 4), (64, 4, 16), (64, 8, 8), (128, 8, 8))
 
 
 def dx_candidates(d: Dims) -> list[TileConfig]:
