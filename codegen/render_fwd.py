@@ -324,27 +324,44 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
     w.comment("last of them, r = off - 1:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
     w.line(f"off = ({start}) // BK * BK")
     w.comment("contribution of the state entering the chunk: exp(cs_t) = exp(cs_t - cs_r) exp(cs_r)")
+    w.comment("(the partners' cumsum and dt vectors are loaded a step ahead, here for the first of each")
+    w.comment("loop, so that no dot waits on a global load issued just before it)")
+    w.line("s_nx = tl.arange(0, BK)")
     for j in range(heads):
         w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
         w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask={inside('t', q, even)}, other=0.0)")
         w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + off - 1, mask=off > 0, other=0.0)")
+        w.line(f"cs_nx_{j} = tl.load(cs_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
+        w.line(f"dt_nx_{j} = tl.load(dtp_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
+        w.comment("BK == BM (constexpr): one diagonal tile, whose partners are the rows themselves")
+        with w.block("if BK == BM:"):
+            w.line(f"dt_d_{j} = tl.load(dtp_ptr + row_{j} + t, mask={inside('t', q, even)}, other=0.0)")
         w.line(f"st_{j} = {state(j)}")
         w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}')} * tl.exp(cs_r_{j})")
     w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
     with w.block("for k0 in range(0, off, BK):"):
-        chunk_scan_partners(w, r, heads, diagonal=False, even=even, tma=tma, start=start)
+        chunk_scan_partners(w, r, heads, diagonal=False, even=even, tma=tma, start=start, given=("cs_nx", "dt_nx"))
+        w.line("s_nx = k0 + BK + tl.arange(0, BK)")
+        for j in range(heads):
+            w.line(f"cs_nx_{j} = tl.load(cs_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
+            w.line(f"dt_nx_{j} = tl.load(dtp_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
     for j in range(heads):
         w.line(f"acc_{j} = acc_{j} * tl.exp(cs_t_{j} - cs_r_{j})[:, None]")
-    with w.block(f"for k0 in range(off, {start} + BM, BK):"):
-        chunk_scan_partners(w, r, heads, diagonal=True, even=even, tma=tma, start=start)
+    with w.block("if BK == BM:"):
+        w.line(f"k0 = {start}")
+        chunk_scan_partners(w, r, heads, diagonal=True, even=even, tma=tma, start=start, given=("cs_t", "dt_d"))
+    with w.block("else:"):
+        with w.block(f"for k0 in range(off, {start} + BM, BK):"):
+            chunk_scan_partners(w, r, heads, diagonal=True, even=even, tma=tma, start=start)
     for j in range(heads):
         chunk_scan_epilogue(w, r, j, mode, tma_store=tma and mode == "forward", start=start)
 
 
 def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, even: bool = False,
-                        tma: bool = False, start: str = "") -> None:
+                        tma: bool = False, start: str = "", given: tuple[str, str] | None = None) -> None:
     """One partner tile s of the chunk scan: on the diagonal the full masked decay, before it
-    only the partners' factor exp(cs_r - cs_s) (the rows' factor is applied once, after)."""
+    only the partners' factor exp(cs_r - cs_s) (the rows' factor is applied once, after).
+    ``given``: the names (before ``_j``) of the partners' cumsum and dt vectors, loaded already."""
     q = r.chunk_size
     emit_positions(w, "s", "k0", "BK", q, even)
     t_in, s_in = inside("t", q, even), inside("s", q, even)
@@ -355,8 +372,11 @@ def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, eve
     else:
         w.line("cb = " + cb_tile(q, "t[:, None]", "s[None, :]", f"{t_in}[:, None] & {s_in}[None, :]"))
     for j in range(heads):
-        w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask={s_in}, other=0.0)")
-        w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask={s_in}, other=0.0)")
+        if given:
+            w.lines(f"cs_s = {given[0]}_{j}", f"dt_s = {given[1]}_{j}")
+        else:
+            w.line(f"cs_s = tl.load(cs_ptr + row_{j} + s, mask={s_in}, other=0.0)")
+            w.line(f"dt_s = tl.load(dtp_ptr + row_{j} + s, mask={s_in}, other=0.0)")
         if diagonal:
             w.line(f"wj = cb * tl.exp(tl.where(causal, cs_t_{j}[:, None] - cs_s[None, :], {NEG}))"
                    " * dt_s[None, :]")

@@ -96,8 +96,22 @@ def test_chunk_scan_epilogue_order_and_heads_unrolled():
                     "tl.exp(tl.where(causal, cs_t_0[:, None] - cs_s[None, :]", "acc_2 = tl.dot(",
                     "# epilogue of head 0", "y = y + x_t * tl.load(d_ptr", "y = y * zz * sg",
                     "tl.store(y_ptr", "# epilogue of head 2")
-    assert "acc_3" not in src and src.count("cb = tl.load") == 2 and not re.search(r"\bb_ptr", src)
-    assert src.count("causal = ") == 1
+    # one cb load per loop, and one in the diagonal's single-tile form (BK == BM, constexpr)
+    assert "acc_3" not in src and src.count("cb = tl.load") == 3 and not re.search(r"\bb_ptr", src)
+    assert src.count("causal = ") == 2
+
+
+def test_chunk_scan_loads_partner_vectors_ahead():
+    """The partners' cumsum and dt vectors are loaded a step ahead of the dot that needs them: the
+    first before the loop, the next at the end of each step; with BK == BM the diagonal tile runs
+    once, outside a loop, on the rows' own cumsum and a dt loaded at the start."""
+    src = render_fwd.render_chunk_scan(region(), 1, "forward")
+    assert_in_order(src, "cs_nx_0 = tl.load(cs_ptr + row_0 + s_nx, mask=s_nx < off", "if BK == BM:",
+                    "dt_d_0 = tl.load(dtp_ptr + row_0 + t", "acc_0 = tl.dot(c_t",
+                    "for k0 in range(0, off, BK):", "cs_s = cs_nx_0", "dt_s = dt_nx_0", "acc_0 = tl.dot(",
+                    "s_nx = k0 + BK + tl.arange(0, BK)", "cs_nx_0 = tl.load(",
+                    "if BK == BM:", "k0 = pid_m * BM", "cs_s = cs_t_0", "dt_s = dt_d_0", "acc_0 = tl.dot(",
+                    "else:", "for k0 in range(off, pid_m * BM + BM, BK):", "cs_s = tl.load(")
 
 
 def test_chunk_cb_writes_causal_tile_pairs_once_per_group():
