@@ -122,9 +122,8 @@ class TileConfig:
     ``heads`` changes the rendered source (heads handled per program, unrolled), and so does
     ``tma`` (tiles loaded through tensor descriptors, where a family offers it); ``block_n`` is a
     third block size, set only by the kernels that tile a third axis (dstate); ``splits`` is how
-    many programs share one group's heads (their partial sums are added afterwards); ``chunks``
-    is how many consecutive chunks one program walks (the persistent chunk scan, whose source
-    differs from the one-chunk form); the block sizes are constexpr arguments; ``num_warps``, ``num_stages`` and, where set, ``maxnreg`` (a cap
+    many programs share one group's heads (their partial sums are added afterwards); the block
+    sizes are constexpr arguments; ``num_warps``, ``num_stages`` and, where set, ``maxnreg`` (a cap
     on registers per thread) are Triton's launch options (``launch_options``).
     """
 
@@ -137,7 +136,6 @@ class TileConfig:
     maxnreg: Optional[int] = None
     tma: bool = False
     block_n: Optional[int] = None
-    chunks: int = 1
 
     def launch_options(self) -> dict[str, int]:
         """Keyword options of the Triton launch (``maxnreg`` only when set)."""
@@ -154,8 +152,6 @@ class TileConfig:
             del fields["tma"]
         if fields["block_n"] is None:  # only the state walk tiles a third axis
             del fields["block_n"]
-        if fields["chunks"] == 1:  # only the persistent chunk scan walks several chunks
-            del fields["chunks"]
         return json.dumps(fields, sort_keys=True)
 
     @staticmethod

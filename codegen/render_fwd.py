@@ -221,8 +221,7 @@ def chunk_scan_name(mode: str) -> str:
     return "ssd_chunk_scan" if mode == "forward" else "ssd_gate_backward"
 
 
-def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: bool = False,
-                      persistent: bool = False) -> str:
+def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: bool = False) -> str:
     """Kernel 3 (forward output), or the backward's gate step (mode "gate_backward").
 
     ``tma``: the tiles of C, of the incoming states, of C B^T and of the partners' x come through
@@ -230,16 +229,9 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
     (batch*seqlen, groups*dstate), ``sd`` over the states as (batch*chunks*heads*headdim, dstate),
     ``cbd`` over C B^T as (batch*chunks*groups*chunk, chunk)), and the forward's y leaves through
     ``yd`` (y as (batch*seqlen, heads*headdim)); on Hopper these are TMA copies, with no
-    per-element address arithmetic.  Only for EVEN launches (no tile runs past a chunk).
-
-    ``persistent`` (forward, one head, descriptors): each program walks CPP consecutive chunks
-    (up to C_HI) for its row tile, with one partner tile spanning the whole chunk (BK equal to
-    the chunk), so the loop body holds no inner loop and Triton's pipeliner loads chunk c + 1's
-    tiles while chunk c's dots run."""
+    per-element address arithmetic.  Only for EVEN launches (no tile runs past a chunk)."""
     if mode not in CHUNK_SCAN_MODES:
         raise ValueError(f"mode must be one of {CHUNK_SCAN_MODES}")
-    if persistent and (mode != "forward" or heads != 1 or not tma):
-        raise ValueError("the persistent chunk scan is the forward's, one head per program, with descriptors")
     if mode == "gate_backward" and not r.has_z:
         raise ValueError("the gate backward kernel exists only for regions with z")
     name, q = chunk_scan_name(mode), r.chunk_size
@@ -250,53 +242,40 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
     args = ["x_ptr", "cb_ptr", "c_ptr"] + (["z_ptr"] if r.has_z else [])
     args += ["d_ptr"] if r.d_mode != "none" else []
     args += ["y_ptr"] if mode == "forward" else ["dyo_ptr", "dz_ptr", "dy_ptr"]
-    args += ["dtp_ptr", "cs_ptr", "sin_ptr", "C_LO"] + (["C_HI"] if persistent else [])
-    args += ["L", "H", "HPG", "NC", "P", "N",
+    args += ["dtp_ptr", "cs_ptr", "sin_ptr", "C_LO", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
     args += ["xd", "cd", "sd", "cbd"] + (["yd"] if mode == "forward" else []) if tma else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
-             "EVEN: tl.constexpr"] + (["CPP: tl.constexpr"] if persistent else [])
-    bounds = '"C_LO", "C_HI"' if persistent else '"C_LO"'
-    w.line(f"@triton.jit(do_not_specialize=[{bounds}])  # the segments of one forward share a binary")
+             "EVEN: tl.constexpr"]
+    w.line('@triton.jit(do_not_specialize=["C_LO"])  # the segments of one forward share a binary')
     with w.block(f"def {name}({', '.join(args)}):"):
         w.comment("C_LO: the first chunk of this launch (a segment of the sequence's chunks)")
-        first = "tl.program_id(1) * CPP + C_LO" if persistent else "tl.program_id(1) + C_LO"
-        w.lines("pid_m = tl.program_id(0)", f"{'c0' if persistent else 'pid_c'} = {first}",
-                "pid_bh = tl.program_id(2)",
+        w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1) + C_LO", "pid_bh = tl.program_id(2)",
                 f"bi = pid_bh // (H // {heads})", f"h0 = (pid_bh % (H // {heads})) * {heads}",
                 "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
         emit_dims(w, even=True)
+        if tma:
+            emit_descriptor_rows(w, q, "(H // HPG)")
+        else:
+            w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
 
         def state(j: int) -> str:
             if tma:
                 return f"tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + {j}) * P, 0]))"
             return state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True)
-        if persistent:
-            w.line(f"tl.static_assert(BK == {q}, 'the persistent chunk scan takes the whole chunk as one partner tile')")
-            w.comment("CPP chunks per program, the next one's tiles loaded while this one's dots run")
-            with w.block("for pid_c in tl.range(c0, tl.minimum(c0 + CPP, C_HI)):"):
-                emit_descriptor_rows(w, q, "(H // HPG)")
-                emit_scan_rows(w, r, heads, "pid_m * BM", mode, state, even=True, tma=tma, whole_chunk=True)
-            return w.source()
-        if tma:
-            emit_descriptor_rows(w, q, "(H // HPG)")
-        else:
-            w.line(f"cb_base = ((bi64 * NC + pid_c) * (H // HPG) + g) * {q * q}")
         emit_scan_rows(w, r, heads, "pid_m * BM", mode, state, even=True, tma=tma)
     return w.source()
 
 
 def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
-                   state: Callable[[int], str], even: bool = False, tma: bool = False,
-                   whole_chunk: bool = False) -> None:
+                   state: Callable[[int], str], even: bool = False, tma: bool = False) -> None:
     """One row tile of the chunk scan (rows ``start`` .. ``start`` + BM) for ``heads`` heads of one
     group, through the epilogue; ``state(j)`` is the text of head j's incoming state as a
     (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` (with ``tma``: ``seq0`` and
     ``cb_row``) and the dims' offsets; ``even``: the bounds masks take the kernel's EVEN constexpr
     (``render_common.emit_positions``); ``tma``: C, C B^T and x through the descriptors of
-    ``render_chunk_scan``; ``whole_chunk``: the partner tile is the whole chunk (BK equal to it),
-    one masked step with no loop."""
+    ``render_chunk_scan``."""
     q = r.chunk_size
     emit_positions(w, "t", start, "BM", q, even)
     if tma:
@@ -308,31 +287,18 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
         for j in range(heads):
             w.line(f"x_t_{j} = " + seq_tile("x_ptr", f"bi64 * sxb + (h0 + {j}) * sxh", "pos_t", "sxl",
                                            "offs_p", "v_t", "m_p"))
-    if whole_chunk:
-        w.comment("contribution of the state entering the chunk, then every partner in one masked tile")
-        for j in range(heads):
-            w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
-            w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask={inside('t', q, even)}, other=0.0)")
-            w.line(f"st_{j} = {state(j)}")
-            w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}')} * tl.exp(cs_t_{j})[:, None]")
-        w.line("k0 = 0")
-        chunk_scan_partners(w, r, heads, diagonal=True, even=even, tma=tma, start=start)
-        for j in range(heads):
-            chunk_scan_epilogue(w, r, j, mode, tma_store=tma and mode == "forward", start=start)
-        return
     w.comment("tiles of partners s wholly before this row tile factor their decay through the")
     w.comment("last of them, r = off - 1:  exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1")
     w.line(f"off = ({start}) // BK * BK")
     w.comment("contribution of the state entering the chunk: exp(cs_t) = exp(cs_t - cs_r) exp(cs_r)")
     w.comment("(the partners' cumsum and dt vectors are loaded a step ahead, here for the first of each")
     w.comment("loop, so that no dot waits on a global load issued just before it)")
-    w.line("s_nx = tl.arange(0, BK)")
     for j in range(heads):
         w.line(f"row_{j} = (bi64 * H + h0 + {j}) * (NC * {q}) + pid_c * {q}")
+    _load_partner_vectors(w, heads)
+    for j in range(heads):
         w.line(f"cs_t_{j} = tl.load(cs_ptr + row_{j} + t, mask={inside('t', q, even)}, other=0.0)")
         w.line(f"cs_r_{j} = tl.load(cs_ptr + row_{j} + off - 1, mask=off > 0, other=0.0)")
-        w.line(f"cs_nx_{j} = tl.load(cs_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
-        w.line(f"dt_nx_{j} = tl.load(dtp_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
         w.comment("BK == BM (constexpr): one diagonal tile, whose partners are the rows themselves")
         with w.block("if BK == BM:"):
             w.line(f"dt_d_{j} = tl.load(dtp_ptr + row_{j} + t, mask={inside('t', q, even)}, other=0.0)")
@@ -341,10 +307,7 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
     w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
     with w.block("for k0 in range(0, off, BK):"):
         chunk_scan_partners(w, r, heads, diagonal=False, even=even, tma=tma, start=start, given=("cs_nx", "dt_nx"))
-        w.line("s_nx = k0 + BK + tl.arange(0, BK)")
-        for j in range(heads):
-            w.line(f"cs_nx_{j} = tl.load(cs_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
-            w.line(f"dt_nx_{j} = tl.load(dtp_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
+        _load_partner_vectors(w, heads, "k0 + BK")
     for j in range(heads):
         w.line(f"acc_{j} = acc_{j} * tl.exp(cs_t_{j} - cs_r_{j})[:, None]")
     with w.block("if BK == BM:"):
@@ -355,6 +318,15 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
             chunk_scan_partners(w, r, heads, diagonal=True, even=even, tma=tma, start=start)
     for j in range(heads):
         chunk_scan_epilogue(w, r, j, mode, tma_store=tma and mode == "forward", start=start)
+
+
+def _load_partner_vectors(w: Writer, heads: int, first: str | None = None) -> None:
+    """Each head's cumsum and dt of the partner tile starting at ``first`` (default 0) as
+    ``cs_nx_j`` and ``dt_nx_j``, masked off past ``off``: what the next off-diagonal step reads."""
+    w.line("s_nx = " + (f"{first} + " if first else "") + "tl.arange(0, BK)")
+    for j in range(heads):
+        w.line(f"cs_nx_{j} = tl.load(cs_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
+        w.line(f"dt_nx_{j} = tl.load(dtp_ptr + row_{j} + s_nx, mask=s_nx < off, other=0.0)")
 
 
 def chunk_scan_partners(w: Writer, r: SSDRegion, heads: int, diagonal: bool, even: bool = False,

@@ -36,7 +36,7 @@ CHUNK_STATE = Family("ssd_chunk_state",
 STATE_PASS = Family("ssd_state_pass", lambda r, c: render_fwd.render_state_pass(r),
                     state_pass_candidates)
 CHUNK_SCAN = Family("ssd_chunk_scan",
-                    lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward", c.tma, c.chunks > 1),
+                    lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward", c.tma),
                     chunk_scan_candidates)
 FUSED = Family(render_fused.NAME, lambda r, c: render_fused.render_fused_forward(r), fused_candidates)
 STATE_WALK = Family(render_state_walk.NAME, lambda r, c: render_state_walk.render_state_walk(r), walk_candidates)
@@ -326,13 +326,9 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
         descs = tma.launch_descriptors(cfg, even, "chunk scan", [
             (pr.x, 2, (cfg.block_k, d.p)), (pr.C, 2, (cfg.block_m, d.n)), (sin, 4, (d.p, d.n)),
             (cb, 4, (cfg.block_m, cfg.block_k)), (y, 2, (cfg.block_m, d.p))])
-        consts = dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even)
-        if cfg.chunks > 1:  # the persistent form: cfg.chunks consecutive chunks per program, up to hi
-            kern.launch((cdiv(d.q, cfg.block_m), cdiv(hi - lo, cfg.chunks), d.b * d.h),
-                        head + [y, dtp, cs, sin, lo, hi] + scan_args(pr) + descs, dict(consts, CPP=cfg.chunks), cfg)
-            return
         kern.launch((cdiv(d.q, cfg.block_m), hi - lo, d.b * d.h // cfg.heads),
-                    head + [y, dtp, cs, sin, lo] + scan_args(pr) + descs, consts, cfg)
+                    head + [y, dtp, cs, sin, lo] + scan_args(pr) + descs,
+                    dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
 
     run_family(CHUNK_SCAN, r, d, launch)
     return y

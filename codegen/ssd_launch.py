@@ -62,7 +62,7 @@ _PLANS: dict[tuple, tuple[CompiledKernel, TileConfig]] = {}
 
 
 def source_of(fam: Family, region: SSDRegion, cfg: TileConfig) -> str:
-    key = (fam.name, region, cfg.heads, cfg.tma, cfg.chunks > 1)
+    key = (fam.name, region, cfg.heads, cfg.tma)
     if key not in _SOURCES:
         _SOURCES[key] = fam.render(region, cfg)
     return _SOURCES[key]
@@ -154,8 +154,9 @@ def chunk_scan_candidates(d: Dims) -> list[TileConfig]:
     296 us at S1 / S2 against 215 / 301 for 32-wide ones; without descriptors 64-wide tiles were
     slower, v5; v12, CUDA-graph timing: one stage 184.0 / 269.2 against 195.9 / 281.7 at two; dx,
     dcb, dC and dB lost 17-80% at one stage; 128-row tiles 232-346 / 344-505).  At 128-step chunks
-    (H200, v14, S1): the 64 x 64 one-stage tile 149.9 us; 128-row tiles 215.7-287.5; the
-    persistent form (``TileConfig.chunks``, not offered) 205.8-312.7."""
+    (H200, v14, S1): the 64 x 64 one-stage tile 149.9 us; 128-row tiles 215.7-287.5; a
+    persistent form (several chunks per program, one whole-chunk partner tile; removed)
+    205.8-312.7."""
     out = with_descriptors(d, head_block_candidates(d))
     if any(c.tma for c in out) and even_tiles(d, 64, 64):
         out += [TileConfig(block_m=64, block_k=64, heads=1, num_warps=4, num_stages=st, tma=True) for st in (2, 1)]

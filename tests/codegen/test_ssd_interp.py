@@ -293,47 +293,6 @@ def test_descriptor_chunk_scan_matches_referee(monkeypatch, dtype, pad, heads):
     _with_tiles_matches(monkeypatch, args, 64, gy, [(fk, "CHUNK_SCAN", tile)], seed=4)
 
 
-@pytest.mark.parametrize("dtype,chunks,rows", [(torch.float32, 2, 16), (torch.bfloat16, 3, 32)],
-                         ids=["fp32-2chunks-2rowtiles", "bf16-3chunks-1rowtile"])
-def test_persistent_chunk_scan_matches_referee(monkeypatch, dtype, chunks, rows):
-    """The persistent chunk scan (``TileConfig.chunks``: each program walks consecutive chunks, one
-    whole-chunk partner tile): five chunks, so a program's last run stops short at the end; the
-    forward, every gradient and the one-chunk form agree with the referee, and in three segments
-    (``MAMBAC_SSD_SEGMENTS``, each launch from its own first chunk) y is the one-segment y."""
-    from mambac.codegen import ssd_kernels as fk
-    from mambac.codegen.kernel_ir import TileConfig
-    args = _split_views(make_inputs(29, 2, 160, 3, 16, 16, 1, D="head", z=True, init=True, bias=True,
-                                    dtype=dtype), 1, 0)
-    gy = torch.randn(2, 160, 3, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
-    tile = TileConfig(block_m=rows, block_k=32, num_warps=1, tma=True, chunks=chunks)
-    _with_tiles_matches(monkeypatch, args, 32, gy, [(fk, "CHUNK_SCAN", tile)], seed=9)
-    with only_tile(monkeypatch, fk, "CHUNK_SCAN", tile):
-        pr = fk.prepare(*args, 32, True, 0.0, math.inf)
-        with knobs.override(ssd_segments="3"):
-            y3 = fk.forward_prepared(pr, path="walk")[0]
-        with knobs.override(ssd_segments="1"):
-            y1 = fk.forward_prepared(pr, path="walk")[0]
-    assert torch.equal(y3, y1)
-
-
-def test_persistent_chunk_scan_source():
-    """The persistent form loops over chunks with no partner loop inside (the pipeliner's
-    condition), asserts the whole-chunk partner tile, and is refused where it does not apply."""
-    from mambac.codegen.kernel_ir import SSDRegion
-    from mambac.codegen.render_fwd import render_chunk_scan
-    region = SSDRegion(has_dt_bias=True, dt_softplus=True, dt_clamp=False, d_mode="head", has_z=False,
-                       has_initial_state=False, io_dtype="bf16", chunk_size=64)
-    src = render_chunk_scan(region, tma=True, persistent=True)
-    loop = src.index("for pid_c in tl.range(c0, tl.minimum(c0 + CPP, C_HI)):")
-    assert src.index("tl.static_assert(BK == 64") < loop < src.index("yd.store(")
-    loops = [line for line in src.splitlines() if line.strip().startswith("for ")]
-    assert len(loops) == 1 and "C_HI" in src.split("):", 1)[0]
-    with pytest.raises(ValueError, match="persistent"):
-        render_chunk_scan(region, heads=2, tma=True, persistent=True)
-    with pytest.raises(ValueError, match="persistent"):
-        render_chunk_scan(region, tma=False, persistent=True)
-
-
 def test_descriptor_chunk_scan_refuses_uneven_launch(monkeypatch):
     """The descriptor form has no bounds masks: a length that leaves a partial chunk is refused
     with a message (autotune offers it only for EVEN launches)."""
