@@ -25,7 +25,7 @@ Commands (default: check time parts):
   streams     fwd, and fwd+bwd (replayed from a CUDA graph, and launched from Python) with the
               independent launches on a second stream (codegen/streams.py) and on one,
               alternated, at S1 and S2; the tiles are PINNED (autotune's choices of the sixth
-              session's runs), so nothing is timed twice
+              round's runs), so nothing is timed twice
   chunks      mambac's fwd and fwd+bwd (from CUDA graphs) at S1 and S2 computed with chunks of 256,
               128 and 64 steps (the same function; the chunk length trades the quadratic
               intra-chunk work against the states' traffic), and the S1 check at each
@@ -442,7 +442,7 @@ def time_host(cg, tag: str, shape: dict, calls: int = 40) -> None:
     print("\n".join(ln for ln in out.getvalue().splitlines() if ln.strip())[:6000], flush=True)
 
 
-# autotune's choices at S1 in the sixth session's runs where they differ from the first candidate
+# autotune's choices at S1 in the sixth round's runs where they differ from the first candidate
 PINNED = {"ssd_dcb": dict(block_m=64, block_k=64, heads=2, splits=4, num_warps=4, num_stages=2, maxnreg=168),
           "ssd_state_pass": dict(block_m=1024, block_k=64, num_warps=4, num_stages=2),
           "ssd_state_pass_bwd": dict(block_m=1024, block_k=64, num_warps=4, num_stages=2)}
