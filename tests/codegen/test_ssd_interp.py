@@ -258,9 +258,12 @@ def _with_tiles_matches(monkeypatch, args, q, gy, tiles, seed):
         grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(y[0], base_y[0]) <= tol and rel_err(y[1], base_y[1]) <= tol
+    # the gradients sum over more terms, in another order on each path (the reduction order of
+    # the CPU's fp32 matmuls differs between machines: dA came out 1.3e-6 apart on one)
+    gtol = 1e-5 if dtype == torch.float32 else 1e-2
     for name, a, b in zip(NAMES, base, grads):
         if a is not None:
-            assert rel_err(b, a) <= tol, name
+            assert rel_err(b, a) <= gtol, name
 
 
 def _split_views(args, g, pad: int):
@@ -383,9 +386,12 @@ def test_state_walks_match_referee_and_the_per_chunk_states(dtype, pad):
     assert {"ssd_state_walk", "ssd_state_walk_bwd"} <= {k[0] for k in ssd_launch._PLANS}
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(y[0], base_y[0]) <= tol and rel_err(y[1], base_y[1]) <= tol
+    # the gradients sum over more terms, in another order on each path (the reduction order of
+    # the CPU's fp32 matmuls differs between machines: dA came out 1.3e-6 apart on one)
+    gtol = 1e-5 if dtype == torch.float32 else 1e-2
     for name, a, b in zip(NAMES, base, grads):
         if a is not None:
-            assert rel_err(b, a) <= tol, name
+            assert rel_err(b, a) <= gtol, name
     assert rel_err(saved.sin, base_saved.sin) <= tol
     assert torch.equal(saved.dtp, base_saved.dtp) and rel_err(saved.cs, base_saved.cs) <= 1e-6
 
