@@ -5,7 +5,7 @@ Doors: ``mambac.compile(model, world_size=...)``, ``torch.compile(model, backend
 """
 from mambac import ops  # noqa: F401  (registers the custom ops)
 from mambac.api import compile  # noqa: A001
-from mambac.autoplan import plan as plan_layout  # noqa: F401  (not `plan`: mambac.plan is the sharding-plan module)
+from mambac.autoplan import plan  # noqa: F401  (the layout planner; the sharding plan lives in mambac.sharding_plan)
 from mambac.capture import capture
 from mambac.convert import from_pretrained  # noqa: F401
 from mambac.errors import (MambacCaptureError, MambacConfigError, MambacError, MambacInputError,
@@ -15,5 +15,5 @@ from mambac.training import clip_grad_norm_
 from mambac.trainer import SyntheticTokens, Trainer, init_restartable_process_group  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["compile", "capture", "from_pretrained", "CompileOptions", "MambacError", "MambacInputError", "MambacOptionsError",
+__all__ = ["compile", "plan", "capture", "from_pretrained", "CompileOptions", "MambacError", "MambacInputError", "MambacOptionsError",
            "MambacConfigError", "MambacCaptureError", "MambacPassError", "MambacRuntimeError", "clip_grad_norm_"]

@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from mambac.errors import MambacOptionsError, MambacRuntimeError
 from mambac.lowering import Lowered, lower, rank_setup, signature_of
 from mambac.options import CompileOptions
-from mambac.plan import ParamLayout
+from mambac.sharding_plan import ParamLayout
 
 # options whose multi-rank meaning the backend does not offer (name -> allowed value, why)
 _FIXED = {

@@ -1,7 +1,7 @@
 """Communication per layer: every collective a mixer's forward and backward run, as a formula.
 
 ``layer_comm(mixer, tp=..., cp=..., sequence_parallel=...)`` lists the collectives one Mamba-1,
-Mamba-2 or Mamba-3 mixer runs under the Megatron tensor-parallel layout (``mambac.plan``) and
+Mamba-2 or Mamba-3 mixer runs under the Megatron tensor-parallel layout (``mambac.sharding_plan``) and
 under context parallelism (``mambac.runtime.context_parallel``), each with its payload in bytes as
 a sympy expression of the symbols ``BATCH`` and ``SEQLEN`` (the full, unsplit sequence length).
 

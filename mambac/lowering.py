@@ -1,6 +1,6 @@
 """Lowering: capture one forward signature of a model and run the pass pipeline on it.
 
-For more than one rank, rank r's program is lowered from rank r's *local model* (``mambac.plan``:
+For more than one rank, rank r's program is lowered from rank r's *local model* (``mambac.sharding_plan``:
 parameters cut to its shards, local sizes), with the plan and mesh in ``gm.meta`` for the
 sharding passes.  ``lower_all_ranks`` lowers every rank's program without any process group (for
 ``mambac dump --world-size W`` and for reading the collectives a configuration implies).
@@ -47,7 +47,7 @@ class RankSetup:
 
 def rank_setup(model: torch.nn.Module, options: CompileOptions, mesh: MeshSpec) -> RankSetup:
     """Build the local model of the rank ``mesh`` describes (copies of its parameter shards)."""
-    from mambac.plan import local_model, make_plan
+    from mambac.sharding_plan import local_model, make_plan
     plan = make_plan(model, mesh.tp, mesh.tp_rank, dict(options.plan))
     return RankSetup(model=local_model(model, plan), plan=plan, mesh=mesh)
 

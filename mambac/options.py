@@ -31,7 +31,7 @@ class CompileOptions:
     'triton' or 'reference'; output: 'full' (gathered on every rank) or 'sharded'; verify/dump_dir/
     disable_passes override the MAMBAC_VERIFY/MAMBAC_DUMP_DIR/MAMBAC_DISABLE_PASSES knobs;
     plan: per-module overrides of the default Megatron layout, ``{module path: kind}`` (kinds in
-    ``mambac.plan.KINDS``); comm_timeout: seconds a collective may wait before the process group
+    ``mambac.sharding_plan.KINDS``); comm_timeout: seconds a collective may wait before the process group
     gives up (used when mambac initialises the process group itself); cp_inputs: under context
     parallelism, 'full' (every rank passes the whole sequence, each keeps its piece) or 'local'
     (each rank passes only its own piece of the sequence, in rank order, the first ranks one token

@@ -1,6 +1,6 @@
 """``propagate_sharding``: a placement (Shard / Replicate / Partial per mesh dim) on every value.
 
-Needs: a per-rank graph captured from the rank's local model (``mambac.plan.local_model``: its
+Needs: a per-rank graph captured from the rank's local model (``mambac.sharding_plan.local_model``: its
 parameters are the local shards, its shapes the local ones), with ``gm.meta[PLAN]`` (the rank's
 ``RankPlan``) and ``gm.meta[MESH]`` (the ``MeshSpec``).
 Guarantees: every tensor value has ``meta[PLACEMENT]`` (``Placements`` for multi-output nodes);

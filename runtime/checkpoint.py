@@ -30,7 +30,7 @@ def rank_plans(compiled) -> list:
     """The plan of every tp rank (layouts only, no tensors), cached on the module."""
     cache = compiled.__dict__.setdefault("_mambac_rank_plans", None)
     if cache is None:
-        from mambac.plan import make_plan, param_layouts_by_id
+        from mambac.sharding_plan import make_plan, param_layouts_by_id
         opts, model = compiled.options, compiled.original_module
         cache = []
         for r in range(opts.tp):

@@ -6,7 +6,7 @@ as on the original model, and gradients land on the original parameters.  One pr
 per forward signature (which optional arguments are given) on first use and cached.
 
 On several ranks (``world_size > 1``) it is *this rank's* module: its parameters are this rank's
-shards (a local copy of the model, ``mambac.plan.local_model``), its programs this rank's lowered
+shards (a local copy of the model, ``mambac.sharding_plan.local_model``), its programs this rank's lowered
 programs, its inputs the same full batch on every rank and its outputs full on every rank (or this
 rank's piece with ``output='sharded'``).  ``state_dict()``/``load_state_dict()`` speak unsharded
 tensors (both are collective calls: every rank calls them).  With dp > 1 the gradients of the

@@ -138,7 +138,9 @@ def test_tiny_model_runs_data_parallel_and_shards_activations(tiny):
 
 def test_package_export_and_table(tiny):
     _, cost = tiny
-    rows = mambac.plan_layout(cost, world_size=2, device_memory=80 * GiB, batch=2, seqlen=64)
+    import mambac.lowering, mambac.sharding_plan  # noqa: F401,E401  (importing submodules must not rebind mambac.plan)
+    assert mambac.plan is plan and "plan" in mambac.__all__
+    rows = mambac.plan(cost, world_size=2, device_memory=80 * GiB, batch=2, seqlen=64)
     text = format_table(rows)
     assert text.splitlines()[0].split()[:6] == ["#", "tp", "cp", "dp", "sp", "remat"]
     assert len(text.splitlines()) == 2 + sum(r.feasible for r in rows)

@@ -7,7 +7,7 @@ import mambac
 from mambac.errors import MambacConfigError, MambacOptionsError, MambacRuntimeError
 from mambac.ir import Shard
 from mambac.lowering import lower_all_ranks
-from mambac.plan import local_model, make_plan
+from mambac.sharding_plan import local_model, make_plan
 from mambac.runtime.collectives import collective_name, split_sizes
 from tests.models.tiny import tiny_lm
 
