@@ -8,6 +8,8 @@ the Mamba-2 130M LM at batch 8 x 2048 under bf16 autocast, with remat none, full
                                                      # saved activations, so the peak itself aims at 8 GiB
     python benchmarks/bench_remat.py --budget-scope step   # 'auto' budgets the whole step: 8 GiB covers
                                                            # parameters, gradients and AdamW state too
+    python benchmarks/bench_remat.py --optimizer     # each timed step also takes an AdamW step (fused on
+                                                     # CUDA), so the peak holds its two moments
     python benchmarks/bench_remat.py --tiny          # CPU: a tiny model and batch (checks the script)
 
 One row per mode: the budget, the saved-for-backward bytes mambac.memory predicts, the same bytes
@@ -60,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-scope", default="activations", choices=("activations", "step"),
                    help="memory_budget_scope of 'auto': the saved activations, or the whole step (plus "
                         "parameters, gradients and AdamW state)")
+    p.add_argument("--optimizer", action="store_true",
+                   help="an AdamW step (fused on CUDA) after every backward: the peak then holds its state")
     p.add_argument("--fit-peak", action="store_true",
                    help="CUDA: give 'auto' the budget minus what 'none' needs besides its saved activations "
                         "(its peak minus its measured saved bytes: weights, gradients, transients)")
@@ -89,10 +93,12 @@ def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def _step(compiled, ids, labels, device) -> None:
+def _step(compiled, ids, labels, device, opt=None) -> None:
     with _autocast(device):
         loss = compiled(ids, labels)
     loss.backward()
+    if opt is not None:
+        opt.step()
 
 
 def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) -> Row:
@@ -111,16 +117,17 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
     row.measured = saved.nbytes
     saved.output.backward()
     del saved
-    for _ in range(args.warmup):
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda") if args.optimizer else None
+    for _ in range(max(args.warmup, 1 if opt else 0)):  # AdamW's state exists before the timed steps
         model.zero_grad(set_to_none=True)
-        _step(compiled, ids, labels, device)
+        _step(compiled, ids, labels, device, opt)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
-        _step(compiled, ids, labels, device)
+        _step(compiled, ids, labels, device, opt)
     _sync(device)
     row.tokens_per_s = ids.numel() * args.steps / (time.perf_counter() - t0)
     row.peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         if none is not None and not r.error:
             r.ratio = r.tokens_per_s / none.tokens_per_s
     print_table(rows, f"{args.preset}, batch {args.batch} x {args.seqlen}, bf16 autocast, {device.type}, "
-                      f"{args.steps} timed steps (forward + backward)")
+                      f"{args.steps} timed steps (forward + backward{' + AdamW' if args.optimizer else ''})")
     print(verdict(rows, goal))
     return rows
 

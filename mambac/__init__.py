@@ -14,6 +14,11 @@ from mambac.options import CompileOptions
 from mambac.training import clip_grad_norm_
 from mambac.trainer import SyntheticTokens, Trainer, init_restartable_process_group  # noqa: F401
 
+import os as _os
+
+from mambac.logs import configure as _configure_logs
+
+_configure_logs(_os.environ.get("MAMBAC_LOGS"))  # whichever door mambac is used through
 __version__ = "0.1.0"
 __all__ = ["compile", "plan", "capture", "from_pretrained", "CompileOptions", "MambacError", "MambacInputError", "MambacOptionsError",
            "MambacConfigError", "MambacCaptureError", "MambacPassError", "MambacRuntimeError", "clip_grad_norm_"]

@@ -265,7 +265,10 @@ class MambacBackend:
         """This rank's program for the model behind ``gm`` (mambac/backend_parallel.py), lowered now
         for the example inputs so errors surface at the first call."""
         from mambac.backend_parallel import ParallelGraph, whole_forward
-        frame = whole_forward(gm, example_inputs)
+        try:
+            frame = whole_forward(gm, example_inputs)
+        except MambacOptionsError as why:  # a piece between graph breaks, or not a module's forward
+            return self._replicated(gm, example_inputs, why)
         dump = _context(self.options).dump_dir
         run = ParallelGraph(frame, self.options, self.mesh, dump)
         program, _ = run.program(list(frame.values))
@@ -273,6 +276,22 @@ class MambacBackend:
         _count(program.ctx)
         self.graphs.append(LoweredGraph(gm=program.gm, ctx=program.ctx))
         return run
+
+
+    def _replicated(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], why: Exception) -> Callable:
+        """A graph that is not a model's whole forward cannot be split over the ranks: every rank runs
+        it whole, lowered as on one rank, which gives eager's values and gradients on every rank."""
+        import warnings
+        msg = (f"mambac: this graph runs unsplit on every rank (no tensor or context parallelism for it): {why} "
+               "Its values and gradients are eager's.")
+        warnings.warn(msg, stacklevel=2)
+        log.warning(msg)
+        from torch._dynamo.utils import counters
+        counters[COUNTERS_KEY]["graphs.replicated"] += 1
+        from mambac.backend_parallel import replicated_options
+        lowered = lower_graph(gm, example_inputs, replicated_options(self.options))
+        self.graphs.append(lowered)
+        return lowered.gm.forward
 
 
 def _reject_extra_arguments(kwargs: dict) -> None:

@@ -5,8 +5,10 @@ the full model's sizes baked into its reshapes and splits, so a rank's program c
 it; instead the backend takes the model the graph was captured from (``L['self']`` of the frame
 dynamo compiled) and lowers this rank's program from the rank's local model exactly as
 ``mambac.compile`` does (``mambac.lowering.rank_setup`` / ``lower``: the tensor-parallel passes,
-then ``split_sequence`` under cp).  That needs the graph to be the model's whole ``forward`` (no
-graph break); anything else is refused with an error that says so.
+then ``split_sequence`` under cp).  That needs the graph to be the model's whole ``forward``.  A
+graph that is not (a piece between graph breaks, a function that is not a module's forward) runs
+whole on every rank, lowered as on one rank (``replicated_options``), with a warning that says
+why: its values and gradients are eager's, but its work is not split.
 
 The program does not train the local model's copies.  At every call this rank's shards are cut
 from the model's own (full) parameters by one autograd function, ``_TakeShards``, and swapped into
@@ -96,6 +98,11 @@ class WholeForward:
     value_slots: list[int | None]   # graph input index of each value (None: a constant dynamo guards)
     param_slots: dict[int, int]     # id(full parameter) -> graph input index
     n_outputs: int
+
+
+def replicated_options(options):
+    """``options`` for a graph every rank runs whole: one rank's layout, the rest unchanged."""
+    return dataclasses.replace(options, world_size=1, tp=1, dp=1, cp=1, sequence_parallel=False, plan=())
 
 
 def _source_name(node: torch.fx.Node) -> str:

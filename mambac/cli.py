@@ -2,6 +2,7 @@
 
     mambac dump MODEL [--stage NAME|all] [--format text|dot|svg] [-o FILE] [--batch B --seqlen L]
                       [--world-size W --rank R --tp T --dp D --cp C --sequence-parallel]
+                      [--remat none|full|auto --memory-budget 8GiB]   (the recompute regions, as graph nodes)
     mambac dump MODEL --kernels [-o DIR]   (generated Triton source of the program's kernels)
     mambac explain MODEL [--world-size W --tp T --cp C --sequence-parallel --remat auto --memory-budget 8GiB]
     mambac run -n W [--timeout S] [--max-restarts R] script.py args...
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import shutil
 import subprocess
 import sys
@@ -67,11 +67,10 @@ def _example_inputs(model: torch.nn.Module, batch: int, seqlen: int):
     return maker(batch, seqlen)
 
 
-def _render(text_by_stage: list[tuple[str, str]], gm, fmt: str, stage: str) -> str:
-    if fmt == "text":
-        return "\n".join(t for _, t in text_by_stage)
-    from mambac.printer import to_dot
-    return to_dot(gm, stage)
+def _render(program, fmt: str, names: list[str]) -> str:
+    """The chosen stages' graphs: printed text, or Graphviz source (one digraph per stage)."""
+    history = program.ctx.history if fmt == "text" else program.ctx.dot_history
+    return "\n".join(t for n, t in history if n in names)
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -109,7 +108,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
         if name not in stages:
             raise MambacInputError(f"no stage {name!r}; stages: {', '.join(stages)} (or 'all').")
         chosen = [(n, t) for n, t in history if n == name]
-    out = _render(chosen, program.gm, args.format, chosen[-1][0])
+    if args.format == "svg" and len(chosen) > 1:
+        raise MambacInputError("--format svg draws one stage; pass --stage NAME (or --format dot, which "
+                               "writes one digraph per stage).")
+    out = _render(program, args.format, [n for n, _ in chosen])
     if args.format == "svg":
         out = subprocess.run(["dot", "-Tsvg"], input=out, capture_output=True, text=True, check=True).stdout
     if args.output:
@@ -121,9 +123,15 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _mesh_options(args: argparse.Namespace) -> dict:
+    """The layout and recompute options shared by ``dump`` and ``explain``."""
     opts = {"dp": args.dp, "cp": args.cp, "sequence_parallel": args.sequence_parallel}
     if args.tp is not None:
         opts["tp"] = args.tp
+    if args.remat != "none":
+        opts["remat"] = args.remat
+    if args.memory_budget:
+        opts["memory_budget"] = _parse_bytes(args.memory_budget)
+        opts["memory_budget_scope"] = args.memory_budget_scope
     return opts
 
 
@@ -134,15 +142,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     model = prepare_model(load_model(args.model))
     opts = _mesh_options(args)
-    if args.remat != "none":
-        opts["remat"] = args.remat
-    if args.memory_budget:
-        opts["memory_budget"] = _parse_bytes(args.memory_budget)
-        opts["memory_budget_scope"] = args.memory_budget_scope
     programs = lower_all_ranks(model, _example_inputs(model, args.batch, args.seqlen), args.world_size, **opts)
     ranks = None if args.rank is None else [args.rank]
     sys.stdout.write(explain(programs, ranks, model))
     return 0
+
+
+def _remat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remat", choices=("none", "full", "auto"), default="none")
+    p.add_argument("--memory-budget", default="", help="bytes per rank for remat=auto, e.g. 8GiB")
+    p.add_argument("--memory-budget-scope", default="activations", choices=("activations", "step"),
+                   help="what the budget covers: saved activations, or the step (plus parameters, gradients, "
+                        "AdamW state)")
 
 
 def _parse_bytes(text: str) -> int:
@@ -211,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seqlen", type=int, default=64)
     d.add_argument("-o", "--output", default="", help="file (with --kernels: a directory)")
     d.add_argument("--kernels", action="store_true", help="print the generated Triton kernels the program uses")
+    _remat_arguments(d)
     d.set_defaults(fn=cmd_dump)
     e = sub.add_parser("explain", help="per rank: parameters, activation memory, communication, kernels")
     e.add_argument("model", help="preset name, file.py:factory, or checkpoint directory")
@@ -220,11 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dp", type=int, default=1)
     e.add_argument("--cp", type=int, default=1, help="context-parallel ranks (the sequence split)")
     e.add_argument("--sequence-parallel", action="store_true")
-    e.add_argument("--remat", choices=("none", "full", "auto"), default="none")
-    e.add_argument("--memory-budget", default="", help="bytes per rank for remat=auto, e.g. 8GiB")
-    e.add_argument("--memory-budget-scope", default="activations", choices=("activations", "step"),
-                   help="what the budget covers: saved activations, or the step (plus parameters, gradients, "
-                        "AdamW state)")
+    _remat_arguments(e)
     e.add_argument("--batch", type=int, default=2)
     e.add_argument("--seqlen", type=int, default=64)
     e.set_defaults(fn=cmd_explain)
@@ -254,10 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-    level = knobs().logs
-    if level:
-        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        logging.getLogger("mambac").setLevel(level.upper() if not level.isdigit() else int(level))
+    from mambac.logs import configure
+    configure(knobs().logs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

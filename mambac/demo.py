@@ -4,8 +4,9 @@ the heads of half of every sequence), on two tasks from the Mamba paper — sele
 induction heads — generated on the fly; then check the trained compiled model against eager and
 write the lowered graph of rank 0 to a file.
 
-Without a process group the demo launches its own ranks through ``torch.distributed.run`` (gloo on
-the CPU; with ``--device cuda`` one GPU per rank and NCCL).
+Without a process group the demo launches its own ranks through ``torch.distributed.run``: on a
+machine with at least one GPU per rank, one GPU per rank and NCCL; otherwise the CPU and gloo
+(``--device cpu|cuda`` chooses).
 """
 from __future__ import annotations
 
@@ -101,6 +102,26 @@ def layout(args: argparse.Namespace) -> tuple[int, int]:
     return args.world_size // cp, cp
 
 
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without ``name VALUE`` / ``name=VALUE``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def pick_device(choice: str, world_size: int) -> str:
+    """``auto``: CUDA where every rank gets a GPU of its own (NCCL needs one per rank), else the CPU."""
+    if choice != "auto":
+        return choice
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     import sys
 
@@ -109,13 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="auto (default): cuda with NCCL where there is a GPU for every rank, else cpu with gloo")
     ap.add_argument("--world-size", type=int, default=4, help="ranks (1: no process group)")
     ap.add_argument("--cp", type=int, default=None,
                     help="context-parallel ranks (default: 2 when world_size is even, else 1); tp = world_size / cp")
     ap.add_argument("--timeout", type=float, default=1800, help="stop every rank after this many seconds")
     ap.add_argument("--graph-out", default="mambac_demo_graph.txt", help="file the lowered graph is written to")
     args = ap.parse_args(argv)
+    args.device = pick_device(args.device, args.world_size)
+    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+        raise SystemExit(f"--device cuda needs a GPU for each of the {args.world_size} ranks; this machine has "
+                         f"{torch.cuda.device_count()}. Pass --world-size {max(torch.cuda.device_count(), 1)} "
+                         "or --device cpu.")
+    argv = _without_option(argv, "--device") + ["--device", args.device]  # the ranks get the choice made here
     launched = _launched_here(args, argv)
     if launched is not None:
         return launched

@@ -5,7 +5,7 @@ The planner (``mambac.autoplan``) ranks every (tp, cp, dp, sequence_parallel, re
 best row that ``mambac.compile`` can run into compile options: tp, dp, cp, sequence_parallel,
 remat and, for remat='auto', memory_budget (the saved-activation bytes per rank the device has
 room for once weights, gradients and optimizer state are placed).  A row whose options this
-version rejects (``CompileOptions`` validation: e.g. remat under context parallelism) is skipped,
+version rejects (``CompileOptions`` validation: a layout it cannot run) is skipped,
 not fatal.  What it is planned for:
 
 - ``batch`` and ``seqlen``: the options of that name, else dims 0 and 1 of the first tensor of

@@ -14,7 +14,8 @@ class PassContext:
     ``options`` is the validated ``CompileOptions``; ``rank``/``world_size`` name the program being
     lowered; ``verify``/``dump_dir``/``disabled`` come from the knobs (or code).  Passes write
     counters into ``stats[pass_name]``; the runner keeps each pass's printed graph in ``history``
-    and its wall time in ``timings``.
+    (and its Graphviz source in ``dot_history``, for ``mambac dump --format dot|svg``) and its wall
+    time in ``timings``.
     """
 
     options: Any = None
@@ -25,6 +26,7 @@ class PassContext:
     disabled: tuple[str, ...] = ()
     stats: dict[str, GraphStats] = field(default_factory=dict)
     history: list[tuple[str, str]] = field(default_factory=list)
+    dot_history: list[tuple[str, str]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
     def stats_for(self, pass_name: str) -> GraphStats:

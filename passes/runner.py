@@ -12,7 +12,7 @@ import torch.fx
 
 from mambac.errors import MambacError, MambacPassError
 from mambac.ir import KERNELS
-from mambac.printer import print_graph
+from mambac.printer import print_graph, to_dot
 from mambac.progress import progress
 from mambac.verifier import verify
 from mambac.passes.context import PassContext
@@ -37,6 +37,7 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, names: Sequence[str])
     gm.meta.setdefault(KERNELS, getattr(ctx.options, "kernels", "auto"))  # what the program runs with
     text = print_graph(gm, "capture", ctx.rank, ctx.world_size)
     ctx.history.append(("capture", text))
+    ctx.dot_history.append(("capture", to_dot(gm, "capture")))
     _dump(ctx, 0, "capture", text)
     if ctx.verify:
         verify(gm, "capture")
@@ -56,6 +57,7 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, names: Sequence[str])
             verify(gm, name)
         text = print_graph(gm, name, ctx.rank, ctx.world_size)
         ctx.history.append((name, text))
+        ctx.dot_history.append((name, to_dot(gm, name)))
         _dump(ctx, i, name, text)
         log.info("pass %s: %.1f ms %s", name, 1e3 * ctx.timings[name], ctx.stats.get(name, None))
     return gm

@@ -89,7 +89,8 @@ class CompiledModule(torch.nn.Module):
         target = model
         if options.world_size > 1:
             from mambac.runtime.mesh import make_mesh, offline_spec
-            mesh = make_mesh(options)
+            first = next(iter(model.parameters()), None)
+            mesh = make_mesh(options, None if first is None else first.device.type)
             d["_mambac_mesh"] = mesh
             d["_mambac_setup"] = rank_setup(model, options, mesh.spec if mesh else offline_spec(options, 0))
             target = d["_mambac_setup"].model

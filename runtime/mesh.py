@@ -27,7 +27,10 @@ def launch_hint(world_size: int) -> str:
             f"world_size={world_size}, ...) in each")
 
 
-def backend_for_device() -> str:
+def backend_for_device(device_type: str | None = None) -> str:
+    """NCCL for a model on CUDA, gloo for one on the CPU; with no model at hand, NCCL where CUDA is."""
+    if device_type is not None:
+        return "nccl" if device_type == "cuda" else "gloo"
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -99,12 +102,14 @@ def offline_spec(options, rank: int) -> MeshSpec:
                     cp_rank=cp_rank, sequence_parallel=options.sequence_parallel, output=options.output)
 
 
-def make_mesh(options) -> RankMesh | None:
-    """The mesh for this process, or None when no process group exists and none can be set up."""
+def make_mesh(options, device_type: str | None = None) -> RankMesh | None:
+    """The mesh for this process, or None when no process group exists and none can be set up.
+    A group started here uses the backend for ``device_type`` (the model's: gloo for a CPU model
+    even on a machine with GPUs)."""
     if not dist.is_initialized():
         if not launched():
             return None
-        init_distributed(options.comm_timeout)
+        init_distributed(options.comm_timeout, backend_for_device(device_type))
     world = dist.get_world_size()
     if world != options.world_size:
         raise MambacRuntimeError(f"mambac.compile(world_size={options.world_size}) but the process group has {world} "

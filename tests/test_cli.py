@@ -98,3 +98,62 @@ def test_explain_single_rank_with_remat(capsys):
     out = capsys.readouterr().out
     assert "communication: none (single rank)" in out and "remat='full'" in out and "recomputed in backward: 2 regions" in out
     assert "2 x selective_scan [delta_prologue+d_skip+z_gate]" in out  # ops inside recompute regions count
+
+
+def test_dot_draws_the_stage_asked_for(capsys):
+    assert main(["dump", "mamba2-tiny", "--stage", "capture", "--format", "dot", "--seqlen", "8"]) == 0
+    capture = capsys.readouterr().out
+    assert capture.startswith('digraph "capture"') and "fused:" not in capture  # the graph before fuse_ssm
+    assert main(["dump", "mamba2-tiny", "--stage", "fuse_ssm", "--format", "dot", "--seqlen", "8"]) == 0
+    assert "fused: dt_prologue" in capsys.readouterr().out
+    assert main(["dump", "mamba2-tiny", "--stage", "all", "--format", "dot", "--seqlen", "8"]) == 0
+    heads = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("digraph")]
+    assert heads[0] == 'digraph "capture" {' and heads[-1] == 'digraph "eliminate_dead_code" {' and len(heads) == 5
+
+
+def test_svg_goes_through_graphviz_or_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` on PATH
+    assert main(["dump", "mamba2-tiny", "--format", "svg", "--seqlen", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "needs Graphviz's `dot` program" in err and "apt-get install graphviz" in err
+    fake = tmp_path / "dot"  # a stand-in `dot` that wraps its input, to check what is piped to it
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsrc = sys.stdin.read()\n"
+                    "print('<svg><!--' + sys.argv[1] + ' ' + src.splitlines()[0] + '--></svg>')\n")
+    fake.chmod(0o755)
+    out = tmp_path / "g.svg"
+    assert main(["dump", "mamba2-tiny", "--stage", "fuse_ssm", "--format", "svg", "-o", str(out), "--seqlen", "8"]) == 0
+    assert out.read_text().strip() == '<svg><!---Tsvg digraph "fuse_ssm" {--></svg>'
+    assert main(["dump", "mamba2-tiny", "--stage", "all", "--format", "svg", "--seqlen", "8"]) == 2
+    assert "--format svg draws one stage" in capsys.readouterr().err
+
+
+def test_dump_hf_checkpoint_directory(tmp_path, capsys):
+    from tests.convert.hf_models import hf_model
+    hf_model("mamba2_lm_groups").save_pretrained(tmp_path)
+    assert main(["dump", str(tmp_path), "--seqlen", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "mambac.ssd(" in out and "fused: dt_prologue" in out
+
+
+def test_dump_shows_recompute_regions_and_explain_meets_a_budget(capsys):
+    assert main(["dump", "mamba2-tiny", "--remat", "full", "--stage", "plan_remat", "--seqlen", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# mambac graph after 'plan_remat'") and out.count("remat_") >= 2
+    assert main(["explain", "mamba2-tiny", "--remat", "auto", "--memory-budget", "512KiB", "--seqlen", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "remat='auto'" in out and "recomputed in backward: " in out, out
+    budget = next(ln for ln in out.splitlines() if ln.strip().startswith("budget"))
+    assert "512.00 KiB" in budget and "(met;" in budget, budget
+
+
+def test_mambac_logs_sets_up_logging_on_import():
+    code = ("import logging, mambac; lg = logging.getLogger('mambac'); "
+            "print(lg.level, [h.get_name() for h in lg.handlers]); "
+            "logging.getLogger('mambac.passes').info('hello from the passes')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "MAMBAC_LOGS": "info"})
+    assert r.returncode == 0 and r.stdout.split()[0] == "20" and "mambac-logs" in r.stdout, r.stderr
+    assert "mambac.passes INFO hello from the passes" in r.stderr
+    r = subprocess.run([sys.executable, "-c", "import mambac"], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "MAMBAC_LOGS": "loud"})
+    assert r.returncode != 0 and "MAMBAC_LOGS='loud' is not a logging level" in r.stderr

@@ -119,6 +119,7 @@ def scenario_parity(world: int) -> dict:
     if world == 2:
         res["mixer_cp2"] = check_mixer(world, cp=2)
         res["errors"] = scenario_errors(world)
+        res["replicated"] = check_replicated(world)
     res["rank"] = dist.get_rank()
     return res
 
@@ -147,21 +148,45 @@ def _message(fn) -> str:
     return ""
 
 
+def check_replicated(world: int) -> dict:
+    """Graphs that are not a model's whole forward (the two pieces around a graph break, a compiled
+    lambda) run whole on every rank with a warning: logits and every gradient equal eager's."""
+    import warnings
+    from torch._dynamo.utils import counters
+    out = {}
+    for name, wrap in (("graph_break", _Broken), ("function", None)):
+        torch._dynamo.reset()
+        counters.clear()
+        lm = tiny_lm("mamba2", n_layer=1)
+        eager = copy.deepcopy(lm)
+        target = _Broken(lm) if wrap else (lambda t, lm=lm: lm(t) * 2)
+        compiled = torch.compile(target, backend="mambac", options={"world_size": world, "tp": world})
+        ids = batch(6)[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = compiled(ids)
+        y_e = eager(ids) * 2
+        cot = torch.randn(y_e.shape, generator=torch.Generator().manual_seed(3))
+        (y * cot).sum().backward()
+        (y_e * cot).sum().backward()
+        out[name] = {"out": rel_err(y, y_e), "grad": max(_grad_errors(lm, eager).values()),
+                     "replicated": counters["mambac"]["graphs.replicated"],
+                     "warning": next((str(w.message) for w in caught if "runs unsplit" in str(w.message)), "")}
+    return out
+
+
 def scenario_errors(world: int) -> dict:
     """The clear errors: a world size the process group does not have and dp (both before anything
-    is lowered), a graph break and a compiled function that is not a module's forward."""
+    is lowered)."""
     from mambac.backend import MambacBackend
     torch._dynamo.reset()
     ids = batch(6)[0]
     lm = tiny_lm("mamba2", n_layer=1)
-    options = {"world_size": world, "tp": world}
     return {
         "mismatch": _message(lambda: MambacBackend(world_size=world * 2, tp=world * 2)),
         "mismatch_by_name": _message(lambda: torch.compile(lm, backend="mambac", options={"world_size": world + 1,
                                                                                           "tp": world + 1})(ids)),
         "dp": _message(lambda: MambacBackend(world_size=world, dp=world)),
-        "graph_break": _message(lambda: torch.compile(_Broken(lm), backend="mambac", options=options)(ids)),
-        "function": _message(lambda: torch.compile(lambda t: lm(t) * 2, backend="mambac", options=options)(ids)),
         "rank": dist.get_rank(),
     }
 
