@@ -5,9 +5,9 @@ Dynamo captures each region of Python it can follow into a torch-level FX graph 
 backend with example inputs.  The backend gives every node its fake value (symbolic sizes
 included), names the module each node came from, replaces transformers' Mamba / Mamba-2 mixers by
 mambac's on the same parameters (``mambac.backend_foreign``), runs mambac's pass pipeline -- the same passes
-``mambac.compile`` runs -- and returns the lowered graph.  Autograd flows through the ops' own
-rules, as under ``mambac.compile``; ``MambacBackend(trace_backward=True)`` hands the lowered
-graph to AOTAutograd instead (docs/backend.md says why that is not the default).  Regions dynamo
+``mambac.compile`` runs -- and hands the lowered graph to AOTAutograd, where each mambac op's backward is one opaque node
+(``mambac::<op>_backward``); ``MambacBackend(trace_backward=False)`` returns the lowered graph's
+forward instead, with autograd through the ops' own rules as under ``mambac.compile``.  Regions dynamo
 cannot capture (graph breaks) run as plain Python, as they would without mambac.
 
 On several ranks (``options={"world_size": W, "tp": ..., "cp": ...}``) the graph must be a model's
@@ -215,6 +215,11 @@ def _run_as_traced(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> C
     return make_boxed_func(gm.forward)
 
 
+def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return isinstance(out.args[0], (tuple, list))
+
+
 def _with_aot_autograd(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
 
@@ -227,14 +232,14 @@ class MambacBackend:
     """A dynamo backend with fixed mambac options that keeps every graph it lowered (``graphs``).
 
     ``torch.compile(model, backend=MambacBackend(**options))`` is
-    ``torch.compile(model, backend="mambac", options=options)`` plus the record.  With
-    ``trace_backward=True`` the lowered graph goes through AOTAutograd (forward and backward traced
-    at compile time; see docs/backend.md for its costs) instead of running as it is.  With
+    ``torch.compile(model, backend="mambac", options=options)`` plus the record.  On one rank the
+    lowered graph goes through AOTAutograd (``trace_backward``, default on; off: it runs as it is,
+    autograd through the ops' own rules).  With
     ``world_size > 1`` the process group is checked (and the mesh made) here, before any graph,
     and ``graphs`` holds this rank's lowered programs.
     """
 
-    def __init__(self, *, trace_backward: bool = False, **options: Any) -> None:
+    def __init__(self, *, trace_backward: bool | None = None, **options: Any) -> None:
         self.options = CompileOptions.create(**options)
         if self.options.cuda_graphs:
             raise MambacOptionsError(
@@ -247,8 +252,9 @@ class MambacBackend:
             check_parallel_options(self.options)
             if trace_backward:
                 raise MambacOptionsError("trace_backward=True runs on one rank only; drop it for world_size > 1.")
+            trace_backward = False
             self.mesh = parallel_mesh(self.options)
-        self.trace_backward = trace_backward
+        self.trace_backward = True if trace_backward is None else bool(trace_backward)
         self.graphs: list[LoweredGraph] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
@@ -257,7 +263,7 @@ class MambacBackend:
             return self._parallel(gm, example_inputs)
         lowered = lower_graph(gm, example_inputs, self.options)
         self.graphs.append(lowered)
-        if self.trace_backward:
+        if self.trace_backward and _returns_tuple(lowered.gm):  # dynamo's graphs do; hand-made ones may not
             return _with_aot_autograd(lowered.gm, example_inputs)
         return lowered.gm.forward
 

@@ -14,6 +14,7 @@ import torch._dynamo
 import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mambac.backend import MambacBackend, mambac_backend
 from mambac.errors import MambacOptionsError
@@ -142,11 +143,36 @@ def test_string_backend_counts_fusions():
         {f"fuse_ssm.{k}": v // 2 for k, v in EXPECTED_FUSIONS["mamba2_groups_hdimD_nonorm_limit"].items()}
 
 
-def test_aot_autograd_path_matches_eager():
+class _OpsRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("trace_backward", [None, False], ids=["default_aot", "ops_rules"])
+def test_backward_goes_through_aot_autograd_with_opaque_op_backwards(trace_backward):
+    """By default (one rank) the lowered graph goes through AOTAutograd, and each mambac op's
+    backward is one node of the traced backward graph (``mambac::<op>_backward``), never the
+    unrolled reference; ``trace_backward=False`` runs the ops' autograd rules directly."""
     model = tiny_lm("mamba2", n_layer=1)
-    backend = MambacBackend(trace_backward=True)
-    _check_parity(model, model, torch.compile(model, backend=backend), torch.randint(0, 37, (2, 8)))
+    backend = MambacBackend() if trace_backward is None else MambacBackend(trace_backward=False)
+    compiled = torch.compile(model, backend=backend)
+    ids = torch.randint(0, 37, (2, 8))
+    _check_parity(model, model, compiled, ids)
     assert _fusions(backend.graphs[0]) == dict(NO_FUSION, dt_prologue=1, d_skip=1, conv_silu=1, add_rmsnorm=1)
+    loss = compiled(ids, ids)
+    with _OpsRecorder() as rec:
+        loss.backward()
+    opaque = {n for n in rec.names if n.startswith("mambac.") and n.endswith("_backward.default")}
+    if trace_backward is None:
+        assert opaque == {"mambac.ssd_backward.default", "mambac.causal_conv1d_backward.default",
+                          "mambac.add_rmsnorm_backward.default", "mambac.gated_rmsnorm_backward.default"}, rec.names
+    else:
+        assert not opaque
 
 
 class BranchingMixer(nn.Module):

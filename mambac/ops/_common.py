@@ -101,10 +101,13 @@ def register_recompute_autograd(op: Any, reference: Callable[..., Any], n_output
     Tensor inputs are saved (not the outputs); non-tensor inputs ride on ``ctx``.  Gradients of
     outputs that the caller did not use arrive as ``None`` and are skipped.  When device kernels
     with a backward are registered for the op and may run (see the module docstring), they give
-    the gradients instead.  Also installs the forward dispatcher (``_install_dispatch``).
+    the gradients instead.  Also installs the forward dispatcher (``_install_dispatch``) and the
+    op's backward as a custom op of its own, ``mambac::<name>_backward`` (``_register_backward_op``),
+    which a tracer (AOTAutograd) records as one opaque node instead of unrolling the recomputation.
     """
     name = _op_name(op)
     _install_dispatch(op, name)
+    backward_op, tensor_args = _register_backward_op(op, name, reference)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
@@ -120,33 +123,115 @@ def register_recompute_autograd(op: Any, reference: Callable[..., Any], n_output
             args[pos] = t
         if not any(ctx.needs_input_grad):
             return (None,) * len(args)
-        kset = _usable(name, args, ctx.kernel_mode, need_backward=True)
-        if kset is not None:
-            return _kernel_backward(kset, args, grads, tuple(ctx.needs_input_grad))
-        wants = []
-        for pos, t in zip(ctx.tensor_pos, saved):
-            need = ctx.needs_input_grad[pos] and t.is_floating_point()
-            leaf = t.detach().requires_grad_(need)
-            args[pos] = leaf
-            if need:
-                wants.append((pos, leaf))
+        if not _tracing():
+            return gradients_by_recompute(name, reference, args, grads, tuple(ctx.needs_input_grad), ctx.kernel_mode)
+        needs = [bool(ctx.needs_input_grad[i]) for i in tensor_args]
+        got = backward_op(*args, list(grads), needs, ctx.kernel_mode)
         result = [None] * len(args)
-        if not wants:
-            return tuple(result)
-        with torch.enable_grad():
-            outs = reference(*args)
-        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if not pairs:
-            return tuple(result)
-        got = torch.autograd.grad(
-            [o for o, _ in pairs], [leaf for _, leaf in wants], [g for _, g in pairs], allow_unused=True
-        )
-        for (pos, leaf), g in zip(wants, got):
-            result[pos] = torch.zeros_like(leaf) if g is None else g
+        for i, g, need in zip(tensor_args, got, needs):
+            result[i] = g if need and args[i] is not None else None
         return tuple(result)
 
     op.register_autograd(backward, setup_context=setup_context)
+
+
+def gradients_by_recompute(name: str, reference: Callable[..., Any], args: list, grads: Sequence[Any],
+                           needs_input_grad: tuple, mode: str) -> tuple:
+    """The input gradients of op ``name`` at ``args`` for output gradients ``grads``: the device
+    kernels' backward where they may run (``mode``), else the vector-Jacobian product of
+    ``reference`` recomputed under autograd.  One entry per argument, None where not needed."""
+    args = list(args)
+    kset = _usable(name, args, mode, need_backward=True)
+    if kset is not None:
+        return _kernel_backward(kset, args, tuple(grads), needs_input_grad)
+    wants = []
+    for pos, t in enumerate(args):
+        if not isinstance(t, torch.Tensor):
+            continue
+        need = needs_input_grad[pos] and t.is_floating_point()
+        leaf = t.detach().requires_grad_(need)
+        args[pos] = leaf
+        if need:
+            wants.append((pos, leaf))
+    result = [None] * len(args)
+    if not wants:
+        return tuple(result)
+    with torch.enable_grad():
+        outs = reference(*args)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    if not pairs:
+        return tuple(result)
+    got = torch.autograd.grad(
+        [o for o, _ in pairs], [leaf for _, leaf in wants], [g for _, g in pairs], allow_unused=True
+    )
+    for (pos, leaf), g in zip(wants, got):
+        result[pos] = torch.zeros_like(leaf) if g is None else g
+    return tuple(result)
+
+
+@contextlib.contextmanager
+def _autograd_inside_op() -> Iterator[None]:
+    """Autograd back on inside a custom op's implementation (the dispatcher runs it below the
+    autograd keys), so that the recompute can record and differentiate the reference."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
+def _tracing() -> bool:
+    """Whether a tracer (make_fx, hence AOTAutograd) is recording the ops being run."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    return get_proxy_mode() is not None
+
+
+def _register_backward_op(op: Any, name: str, reference: Callable[..., Any]) -> tuple[Any, list[int]]:
+    """``mambac::<name>_backward(<op's arguments>, Tensor?[] grads, bool[] needs, str mode) -> Tensor[]``:
+    the gradient of every tensor argument of ``op`` (``needs`` says which are wanted; an unwanted
+    or absent one comes back as an empty tensor).  Its eager implementation is
+    ``gradients_by_recompute``; its fake one gives each wanted gradient its input's shape, dtype and
+    strides.  Returns the op and the positions of ``op``'s tensor arguments."""
+    schema = op._opoverload._schema
+    text = str(schema)
+    arg_text = text[text.index("(") + 1: text.rindex(") ->")]
+    tensor_args = [i for i, a in enumerate(schema.arguments) if str(a.type) in ("Tensor", "Optional[Tensor]")]
+    n_args = len(schema.arguments)
+
+    def _empty(args: Sequence[Any]) -> torch.Tensor:
+        like = next(a for a in args if isinstance(a, torch.Tensor))
+        return like.new_empty(0)
+
+    def impl(*call: Any) -> list[torch.Tensor]:
+        args, grads, needs, mode = list(call[:n_args]), call[n_args], call[n_args + 1], call[n_args + 2]
+        needs_input_grad = [False] * n_args
+        for i, need in zip(tensor_args, needs):
+            needs_input_grad[i] = bool(need) and args[i] is not None
+        with _autograd_inside_op():
+            got = gradients_by_recompute(name, reference, args, grads, tuple(needs_input_grad), mode)
+        taken = {t.untyped_storage().data_ptr() for t in list(args) + list(grads)
+                 if isinstance(t, torch.Tensor) and t.numel()}
+        out = []
+        for i in tensor_args:
+            g = got[i] if got[i] is not None else _empty(args)
+            if g.numel() and g.untyped_storage().data_ptr() in taken:  # a custom op's outputs own their memory
+                g = g.clone()
+            if g.numel():
+                taken.add(g.untyped_storage().data_ptr())
+            out.append(g)
+        return out
+
+    def fake(*call: Any) -> list[torch.Tensor]:
+        args, needs = call[:n_args], call[n_args + 1]
+        return [torch.empty_like(args[i]) if need and args[i] is not None else _empty(args)
+                for i, need in zip(tensor_args, needs)]
+
+    backward_op = torch.library.custom_op(f"mambac::{name}_backward", mutates_args=(),
+                                          schema=f"({arg_text}, Tensor?[] grads, bool[] needs, str mode) -> Tensor[]")(impl)
+    backward_op.register_fake(fake)
+    return backward_op, tensor_args
 
 
 # ---- device kernels -----------------------------------------------------------------------------
