@@ -67,10 +67,11 @@ def _example_inputs(model: torch.nn.Module, batch: int, seqlen: int):
     return maker(batch, seqlen)
 
 
-def _render(program, fmt: str, names: list[str]) -> str:
-    """The chosen stages' graphs: printed text, or Graphviz source (one digraph per stage)."""
+def _render(program, fmt: str, indices: list[int]) -> str:
+    """The chosen stages' graphs (by position in the pass history, since a pass such as dead-code
+    elimination can run more than once): printed text, or Graphviz source (one digraph per stage)."""
     history = program.ctx.history if fmt == "text" else program.ctx.dot_history
-    return "\n".join(t for n, t in history if n in names)
+    return "\n".join(history[i][1] for i in indices)
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -100,18 +101,18 @@ def cmd_dump(args: argparse.Namespace) -> int:
     history = program.ctx.history
     stages = [n for n, _ in history]
     if args.stage == "all":
-        chosen = history
+        chosen = list(range(len(history)))
     elif not args.stage:
-        chosen = history[-1:]
+        chosen = [len(history) - 1]
     else:
-        name = args.stage or stages[-1]
+        name = args.stage
         if name not in stages:
-            raise MambacInputError(f"no stage {name!r}; stages: {', '.join(stages)} (or 'all').")
-        chosen = [(n, t) for n, t in history if n == name]
+            raise MambacInputError(f"no stage {name!r}; stages: {', '.join(dict.fromkeys(stages))} (or 'all').")
+        chosen = [i for i, n in enumerate(stages) if n == name]
     if args.format == "svg" and len(chosen) > 1:
         raise MambacInputError("--format svg draws one stage; pass --stage NAME (or --format dot, which "
                                "writes one digraph per stage).")
-    out = _render(program, args.format, [n for n, _ in chosen])
+    out = _render(program, args.format, chosen)
     if args.format == "svg":
         out = subprocess.run(["dot", "-Tsvg"], input=out, capture_output=True, text=True, check=True).stdout
     if args.output:
