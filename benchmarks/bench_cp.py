@@ -7,10 +7,12 @@ chunk 256, bf16), times what one cp rank runs:
   forward's intermediates for the backward as the cp form does (``ssd_triton``: what a rank
   would run anyway); the ``mambac::ssd`` op itself, whose backward recomputes the chunk states
   instead of keeping them, is a second baseline row ("local scan, op");
-- cp rank (state pass from S_in): ``cp_ssd_fused``, the form ``cp_ssd`` runs on generated kernels,
-  for the last rank (the one with the most to combine): the plain SSD whose state pass runs twice,
-  from zero (the summary) and from the incoming state, with the exchange given (gather: the
-  gathered tensor with this rank's summary in its slot; scatter: this rank's slot of the gradient);
+- cp rank r (fold): ``cp_ssd_fused``, the form ``cp_ssd`` runs on generated kernels, for every
+  rank of the four: the plain SSD's launches (states from zero by the walk, the chunk scan; the
+  reverse walk and the rest of the backward), plus the fold of the incoming state into the
+  per-chunk states on ranks > 0 and the fold of the later ranks' final-state gradient into the
+  per-chunk state gradients on ranks < 3, with the exchange given (gather: the gathered tensor
+  with this rank's summary in its slot);
 - cp, zero-start + correction: the earlier form (``cp_ssd_corrected``: zero-start scan, cumulative
   log-decay, prefix combine, output correction ``y0 + exp(cum) C S_in`` with the z gate), the
   all-gather replaced by the tensor it would return.
@@ -39,7 +41,7 @@ from mambac.runtime import context_parallel as cpf
 from mambac.runtime.cp_ssd_fused import Exchange, cp_ssd_fused
 
 S1_SPLIT4 = dict(b=4, l=1024, h=48, p=64, n=128, g=1, q=256, world=4)
-TINY = dict(b=1, l=64, h=4, p=8, n=8, g=1, q=16, world=4)
+TINY = dict(b=1, l=32, h=2, p=8, n=8, g=1, q=16, world=4)
 
 
 def inputs(s: dict, device: str, dtype: torch.dtype) -> dict:
@@ -120,7 +122,7 @@ def _rank_form(rank: int):
 
 
 FORMS = (("local scan", None), ("local scan, op", lambda t, q, world, gathered: local_op(t, q))) + tuple(
-    (f"cp rank {r} of 4 (state pass from S_in)", _rank_form(r)) for r in range(4)) + (
+    (f"cp rank {r} of 4 (fold)", _rank_form(r)) for r in range(4)) + (
     ("cp rank 3 of 4, zero-start + correction", cp_rank_corrected),)
 
 
@@ -154,12 +156,11 @@ def timer(device: str):
         import triton.testing
         return lambda fn: triton.testing.do_bench(fn, warmup=30, rep=200) * 1e3   # µs
 
-    def cpu(fn, reps: int = 2):
+    def cpu(fn):   # the tiny run checks the script: one timed call after one warm-up (its times mean nothing)
         fn()
         t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps * 1e6
+        fn()
+        return (time.perf_counter() - t0) * 1e6
     return cpu
 
 
@@ -171,27 +172,29 @@ def _bodies(t: dict, s: dict, gathered: torch.Tensor) -> dict:
 
 
 def _forward_pieces(t: dict, s: dict, gathered: torch.Tensor, bench) -> dict:
-    """Forward time of each piece of the cp rank's extra work, both forms."""
-    from mambac.codegen.ssd_kernels import prepare, run_chunk_state, run_state_pass
-    from mambac.codegen.cp_combine_kernels import weighted_rows
-    from mambac.runtime.cp_ssd_fused import chunk_totals, with_initial_state
+    """Time of each piece of the cp rank's extra work (the folds: what the fold form adds), and of
+    the zero-start + correction form's."""
+    from mambac.codegen.cp_combine_kernels import fold_incoming_state, fold_outgoing_gradient
+    from mambac.codegen.ssd_kernels import forward_path, prepare, run_states
+    from mambac.runtime.cp_ssd_fused import chunk_totals, states_in_fp32
     ct, inf = torch.float32, float("inf")
     pr = prepare(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"], None, s["q"], True, 0.0, inf)
-    states, _, cs = run_chunk_state(pr)
-    _, f_local = run_state_pass(pr, states, cs)
+    d, io = pr.dims, pr.region.torch_io
+    sin0, f_local, _, cs = run_states(states_in_fp32(pr), forward_path(pr))
     last, hpn = s["world"] - 1, s["h"] * s["p"] * s["n"]
-    weights = cpf.prefix_weights(gathered[..., hpn:].contiguous(), last)
-
-    def combine():
-        return weighted_rows(gathered[:last], weights, hpn).view_as(f_local)
-    s_in = combine()
+    totals = gathered[..., hpn:].contiguous()
+    sin, _ = fold_incoming_state(gathered, last, cs, sin0, f_local, d.q, io)
+    dtot = torch.zeros(d.b * d.h, d.nc, 1, device=cs.device)
     y0, local = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"],
                                      None, s["q"], True, 0.0, inf)
     cum = cpf.ssd_summaries(t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)
-    return {
-        "state pass from S_in": bench(lambda: run_state_pass(with_initial_state(pr, s_in), states, cs)),
+    s_in = cpf.incoming_state(*cpf.unpack_summaries(gathered, (f_local, totals[0])), last)
+    return {   # sin0 (fp32, the same shape) stands in for the state gradients from dF alone
+        "fold incoming state (rank 3)": bench(lambda: fold_incoming_state(gathered, last, cs, sin0, f_local,
+                                                                           d.q, io)),
+        "fold outgoing gradient (rank 0)": bench(lambda: fold_outgoing_gradient(
+            gathered[..., :hpn], totals, 0, cs, sin, sin0, dtot, d.q, io)),
         "total decay from cs": bench(lambda: chunk_totals(pr, cs).sum(-1)),
-        "prefix combine (last rank)": bench(combine),
         "old: summaries (cumulative log-decay)": bench(lambda: cpf.ssd_summaries(
             t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)),
         "old: correction (+ z gate)": bench(lambda: cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])),

@@ -72,6 +72,11 @@ def to_io(r: SSDRegion, expr: str) -> str:
     return f"{expr if expr.isidentifier() else f'({expr})'}.to({r.tl_io})"
 
 
+def to_states(r: SSDRegion, expr: str) -> str:
+    """Text storing an fp32 per-chunk state (or state gradient) ``expr`` in the states' dtype."""
+    return expr if r.fp32_states else to_io(r, expr)
+
+
 def dt_args(region: SSDRegion) -> list[str]:
     """Kernel arguments the dt prologue needs (only those the region uses)."""
     out = []

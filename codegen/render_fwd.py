@@ -25,7 +25,7 @@ from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, dt_args, dt_call,
                                           emit_descriptor_rows, emit_dims, emit_dt_helpers,
                                           emit_positions, header, inside,
-                                          load_bias, seq_tile, state_tile, to_io)
+                                          load_bias, seq_tile, state_tile, to_io, to_states)
 from mambac.codegen.writer import Writer
 
 CHUNK_STATE_MODES = ("forward", "dstate")
@@ -163,7 +163,7 @@ def render_state_pass(r: SSDRegion) -> str:
             w.line("s = tl.zeros((BLK,), dtype=tl.float32)")
         with w.block("for c in range(0, NC):"):
             w.line("idx = ((bi64 * NC + c) * H + h) * PN")
-            w.line(f"tl.store(sin_ptr + idx + offs, {to_io(r, 's')}, mask=m)")
+            w.line(f"tl.store(sin_ptr + idx + offs, {to_states(r, 's')}, mask=m)")
             w.line(f"tot = tl.load(cs_ptr + (bh64 * NC + c) * {q} + {q - 1})")
             w.line("st = tl.load(states_ptr + idx + offs, mask=m, other=0.0)")
             w.line("s = s * tl.exp(tot) + st")

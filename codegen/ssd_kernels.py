@@ -201,7 +201,7 @@ def with_cb(pr: Prepared, saved: "SSDSaved") -> "SSDSaved":
 def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Tensor]:
     """Kernel 2: the state entering each chunk (io dtype) and the final state (fp32)."""
     d, r = pr.dims, pr.region
-    sin = torch.empty(states.shape, device=states.device, dtype=r.torch_io)
+    sin = torch.empty(states.shape, device=states.device, dtype=r.torch_states)
     final = torch.empty(d.b, d.h, d.p, d.n, device=states.device, dtype=torch.float32)
     init = [pr.init] if r.has_initial_state else []
 
@@ -219,7 +219,7 @@ def walk_buffers(pr: Prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     (fp32), dt' and the dA cumsum."""
     d, r = pr.dims, pr.region
     dtp, cs = dt_buffers(pr)
-    sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=pr.x.device, dtype=r.torch_io)
+    sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=pr.x.device, dtype=r.torch_states)
     final = torch.empty(d.b, d.h, d.p, d.n, device=pr.x.device, dtype=torch.float32)
     return sin, final, dtp, cs
 

@@ -95,7 +95,7 @@ def run_dstate(pr: Prepared, dy: Tensor, cs: Tensor) -> Tensor:
 def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tensor):
     """(dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts)."""
     d = pr.dims
-    dsout = torch.empty(dst.shape, device=dst.device, dtype=pr.region.torch_io)
+    dsout = torch.empty(dst.shape, device=dst.device, dtype=pr.region.torch_states)
     dinit = torch.empty(d.b, d.h, d.p, d.n, device=dst.device, dtype=torch.float32)
 
     def launch(kern, cfg: TileConfig) -> Tensor:
@@ -114,7 +114,7 @@ def run_state_walk_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor
     """``run_dstate`` + ``run_state_pass_bwd`` as one reverse walk (``render_state_walk``): the
     same (dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts)."""
     d = pr.dims
-    dsout = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dy.device, dtype=pr.region.torch_io)
+    dsout = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dy.device, dtype=pr.region.torch_states)
     dinit = torch.empty(d.b, d.h, d.p, d.n, device=dy.device, dtype=torch.float32)
 
     def launch(kern, cfg: TileConfig) -> Tensor:

@@ -13,9 +13,9 @@ ops that look back along the sequence need what the earlier ranks saw:
   exclusive prefix combine
   ``S_in(r) = sum_{j<r} exp(ld_{j+1} + ... + ld_{r-1}) S_j`` give rank r its incoming state.
   SSD on generated kernels (``cp_ssd_fused`` in ``cp_ssd_fused.py``) is the plain SSD of the piece
-  from ``S_in`` with the exchange inside it: only its state pass runs twice (from zero for the
-  summary, then from ``S_in``), and its reverse state pass twice in the backward (once on the
-  last rank).  SSD elsewhere
+  from ``S_in`` with the exchange inside it: the states from zero (the summary), then one fold
+  of ``S_in`` into the per-chunk states (they are linear in it); in the backward one fold of the
+  later ranks' final-state gradient into the per-chunk state gradients.  SSD elsewhere
   (PyTorch, float64) corrects its zero-start output, y += exp(cum_t) C_t S_in
   (``cp_ssd_corrected``); the other scans run a second pass of the piece from ``S_in``
   (exact by construction: it is the op itself, with its initial state; it doubles their compute).

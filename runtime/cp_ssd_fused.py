@@ -5,32 +5,37 @@ Notation, per (batch, head), for a piece of ``nc`` chunks: ``st_c`` the state ch
 its own inputs, ``tot_c`` its total log-decay (the last entry of its dA cumsum; padded steps add
 nothing, so a short last chunk is handled), ``T = sum_c tot_c``, ``P_c = sum_{c'<c} tot_c'``.
 
-Forward (``chunk_state`` once, ``state_pass`` twice, ``chunk_cb`` and ``chunk_scan`` once):
+Forward (the plain SSD's launches, plus one fold on ranks > 0):
 
-    F_local = state pass of st from zero          (this rank's summary, with T)
+    sin0_c, F_local = the states from zero (the walk, or chunk states + state pass, as the plain
+                      SSD takes them): this rank's summary is (F_local, T)
     S_in    = exclusive prefix combine of every rank's (F_local, T)   (after the all-gather)
-    sin_c   = state pass from S_in = sin_local_c + exp(P_c) S_in,  F = F_local + exp(T) S_in
+    sin_c   = sin0_c + exp(P_c) S_in,  F = F_local + exp(T) S_in      (``fold_incoming_state``:
+              one launch forms S_in and updates the states in place)
     y       = chunk scan with sin_c (D skip, z gate fused)
 
 Backward, given (dy, dF).  Later ranks read this rank's (F_local, T) only through
-``F_local + exp(T) S_in``, which is F, the final state of the pass from S_in: the gradient they send
-back, dF_ext, is a gradient of F, so the ordinary reverse state pass with dfinal = dF + dF_ext, on
-the saved sin (from S_in), gives every chunk's leaving-state and total-decay gradient exactly.
-(With the exchange's own algebra: the gradient reaching T is exp(T) <S_in, dF_ext>, which is what
-the pass's decay terms already count through S_in; so T needs no gradient of its own.)  The
-gradient of S_in that goes back to the earlier ranks comes from y and dF only (the later ranks'
-use is accounted for by their own weights on F_local):
+``F_local + exp(T) S_in``, which is F, the final state from S_in: the gradient they send back,
+dF_ext, is a gradient of F, so the ordinary reverse state pass with dfinal = dF + dF_ext, on the
+saved sin (from S_in), gives every chunk's leaving-state and total-decay gradient exactly.  (With
+the exchange's own algebra: the gradient reaching T is exp(T) <S_in, dF_ext>, which is what the
+pass's decay terms already count through S_in; so T needs no gradient of its own.)  The gradient
+of S_in that goes back to the earlier ranks comes from y and dF only (the later ranks' use is
+accounted for by their own weights on F_local):
 
-1. dst (the gradient y gives each chunk's entering state) as in the plain backward; on ranks
-   > 0 a reverse state pass with dfinal = dF gives dS_in (rank 0 has no incoming state: zeros).
-2. All-gather every rank's dS_in; dF_ext(k) = sum_{r>k} exp(T_{k+1} + ... + T_{r-1}) dS_in(r)
-   (``codegen.cp_combine_kernels``).  The last rank has no later ranks: dF_ext = 0 and step 1's
-   pass is the one it needs.  Other ranks run the reverse pass again with dfinal = dF + dF_ext.
+1. The plain backward's reverse walk (or chunk dstate + reverse state pass) with dfinal = dF:
+   the gradient of each chunk's leaving state, the chunks' total-decay gradient parts, and dS_in
+   (the gradient of the state entering the piece).
+2. All-gather every rank's dS_in; dF_ext(k) = sum_{r>k} exp(T_{k+1} + ... + T_{r-1}) dS_in(r).
+   The pass is linear in dfinal, so adding dF_ext adds exp(tot_{c+1} + ... + tot_{nc-1}) dF_ext
+   to the gradient of chunk c's leaving state and exp(tot_c) <sin_c, that> to its total-decay
+   gradient (``fold_outgoing_gradient``: one launch, in place).  The last rank has no later
+   ranks: dF_ext = 0 and step 1 is the answer.
 3. dx, dC (with the true sin), dB and the dt backward as in the plain SSD.
 
-Extra work over the local scan: one state pass forward and, except on the last rank, one reverse
-state pass; the two weighted sums over ranks (one kernel each); the two all-gathers.  The
-exchange saves only the ranks' total decays (W, b, h) for the backward.
+Extra work over the local scan: the two folds (each reads and writes the per-chunk states once,
+b·nc·h·p·n values in the io dtype), the summary packing, and the two all-gathers.  The exchange
+saves only the ranks' total decays (W, b, h) for the backward.
 """
 from __future__ import annotations
 
@@ -41,11 +46,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, prepare, run_chunk_cb, run_chunk_scan,
-                                        run_chunk_state, run_state_pass, scan_cb_dtype, with_cb)
-from mambac.codegen.ssd_kernels_bwd import (backward_after_passing, run_dstate, run_gate_backward,
-                                            run_state_pass_bwd)
-from mambac.runtime.context_parallel import pack_summaries, prefix_weights
+from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_path, prepare, run_chunk_cb,
+                                        run_chunk_scan, run_states, scan_cb_dtype, with_cb)
+from mambac.codegen.ssd_kernels_bwd import (backward_after_passing, run_gate_backward, run_states_bwd,
+                                            start_pair_chain)
+from mambac.codegen.streams import Branch
+from mambac.runtime.context_parallel import pack_summaries
 
 
 @dataclass(frozen=True)
@@ -64,34 +70,35 @@ def chunk_totals(pr: Prepared, cs: Tensor) -> Tensor:
     return cs.view(d.b, d.h, d.nc, d.q)[..., d.q - 1]
 
 
-def suffix_weights(totals: Tensor, rank: int) -> Tensor:
-    """(world - 1 - rank, b, h): the weight exp(T_{rank+1} + ... + T_{r-1}) of rank r's incoming
-    state gradient in this rank's final-state gradient, for r > rank."""
-    between = totals[rank + 1:-1]
-    return torch.exp(torch.cat([torch.zeros_like(totals[:1]), between]).cumsum(0))
-
-
 def with_initial_state(pr: Prepared, init: Tensor) -> Prepared:
     """The same region started from ``init`` (b, h, p, n)."""
     return dataclasses.replace(pr, region=dataclasses.replace(pr.region, has_initial_state=True),
                                init=init.contiguous())
 
 
+def states_in_fp32(pr: Prepared) -> Prepared:
+    """The same region with its per-chunk states (and their gradients) kept in fp32 until a fold
+    rounds them (a no-op for fp32 io)."""
+    if pr.region.torch_io == torch.float32:
+        return pr
+    return dataclasses.replace(pr, region=dataclasses.replace(pr.region, fp32_states=True))
+
+
 def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
     """Forward launches around the gather: (y, final, SSDSaved, every rank's total decay (W, b, h))
     (SSDSaved the tensors the backward reuses, its sin the states entering each chunk from S_in)."""
-    from mambac.codegen.cp_combine_kernels import weighted_rows
+    from mambac.codegen.cp_combine_kernels import fold_incoming_state
     d = pr.dims
-    states, dtp, cs = run_chunk_state(pr)
-    sin, f_local = run_state_pass(pr, states, cs)
-    gathered = exchange.gather(pack_summaries(f_local, chunk_totals(pr, cs).sum(-1)))
+    branch = Branch(pr.x.device)       # C B^T beside the states, as in the plain forward
+    with branch.run():
+        cb = run_chunk_cb(pr, dtype=scan_cb_dtype(pr))
+    folds = exchange.rank > 0          # rank 0: nothing comes in, the zero-start states are the answer
+    sin, final, dtp, cs = run_states(states_in_fp32(pr) if folds else pr, forward_path(pr))
+    gathered = exchange.gather(pack_summaries(final, chunk_totals(pr, cs).sum(-1)))
     totals = gathered[..., -d.h:].contiguous()
-    final = f_local
-    if exchange.rank > 0:             # rank 0: nothing comes in, the zero-start pass is the answer
-        s_in = weighted_rows(gathered[:exchange.rank], prefix_weights(totals, exchange.rank),
-                             d.h * d.p * d.n).view_as(f_local)
-        sin, final = run_state_pass(with_initial_state(pr, s_in), states, cs)
-    cb = run_chunk_cb(pr, dtype=scan_cb_dtype(pr))
+    if folds:
+        sin, final = fold_incoming_state(gathered, exchange.rank, cs, sin, final, d.q, pr.region.torch_io)
+    branch.join()
     y = run_chunk_scan(pr, dtp, cs, sin, cb)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb), totals
 
@@ -101,7 +108,7 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     """Backward launches around the gather: (dx, ddt, dA, dB, dC, dD, dz, ddt_bias) as
     ``backward_after_passing`` gives them (dB, dC in ``bc_dtypes``), dz in the io dtype (None
     without z)."""
-    from mambac.codegen.cp_combine_kernels import weighted_rows
+    from mambac.codegen.cp_combine_kernels import fold_outgoing_gradient
     d, r, rank = pr.dims, pr.region, exchange.rank
     world = totals.shape[0]
     dz = None
@@ -110,16 +117,14 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
         dz, dyv = run_gate_backward(pr, saved, dy)
     else:
         dyv = dy.to(r.torch_io)
-    dst = run_dstate(pr, dyv, saved.cs)
-    first = run_state_pass_bwd(pr, dst, saved, dfinal) if rank > 0 else None
-    ds_in = first[1] if first is not None else torch.zeros_like(dfinal)
-    every = exchange.gather(ds_in.reshape(d.b, -1))
-    if rank == world - 1:             # no later ranks: dF_ext = 0, the first pass is the answer
-        dsout, _, dtot = first if first is not None else run_state_pass_bwd(pr, dst, saved, dfinal)
-    else:
-        df_ext = weighted_rows(every[rank + 1:], suffix_weights(totals, rank), d.h * d.p * d.n)
-        dsout, _, dtot = run_state_pass_bwd(pr, dst, saved, (dfinal + df_ext.view_as(dfinal)).contiguous())
-    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, bc_dtypes)
+    pairs = start_pair_chain(pr, saved, dyv, bc_dtypes[1])   # beside the state chain, as in the plain backward
+    folds = rank < world - 1          # the last rank has no later ranks: dF_ext = 0
+    dsout, ds_in, dtot = run_states_bwd(states_in_fp32(pr) if folds else pr, dyv, saved, dfinal)
+    every = exchange.gather(ds_in.reshape(d.b, -1))          # rank 0's row is never read
+    if folds:
+        dsout, dtot = fold_outgoing_gradient(every, totals, rank, saved.cs, saved.sin, dsout, dtot, d.q,
+                                             r.torch_io)
+    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, bc_dtypes, pairs)
     return dx, ddt, dA, dB, dC, dD, dz, dbias
 
 

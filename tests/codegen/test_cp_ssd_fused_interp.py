@@ -131,6 +131,41 @@ def test_matches_float64_whole_sequence(world, l, h, g, chunk, z, D, bias, limit
     check_grads(errs, NAMES, [None if a is None else a.grad for a in got], got, ref, TOL[dtype])
 
 
+@pytest.mark.interp
+@pytest.mark.parametrize("world,dtype", [(2, F32), (4, torch.bfloat16)])
+def test_matches_float64_on_the_state_walk(world, dtype):
+    """Pieces that are whole chunks with power-of-two headdim and dstate: the zero-start states come
+    from the state walk (fp32 states for the fold on every rank but the first, fp32 state
+    gradients on every rank but the last), as on the GPU at the benchmark's sizes."""
+    import mambac.codegen.ssd_kernels as sk
+    from mambac.runtime.cp_ssd_fused import states_in_fp32
+    b, h, p, n, chunk = (2 if world == 2 else 1), 3, 16, 16, 16   # batch offsets: checked at world 2
+    l = world * 2 * chunk
+    args = make_inputs(7 + world, b, l, h, 1, p, n, z=True, D="head", bias=True, dtype=dtype)
+    pr = sk.prepare(*[piece(t, 1, world) for t in args], None, chunk, True, 0.0, math.inf)
+    assert sk.forward_path(pr) == "walk" and sk.choose_walk(pr) == "walk"
+    assert states_in_fp32(pr).region.fp32_states == (dtype != F32)
+    gen = torch.Generator().manual_seed(world)
+    dy = torch.randn(b, l, h, p, generator=gen).to(dtype)
+    dfs = [torch.randn(b, h, p, n, generator=gen) for _ in range(world)]
+    ref = [None if a is None else a.double().requires_grad_() for a in args]
+    y_ref, finals_ref = referee_outputs(ref, world, (0.0, math.inf))
+    loss = (y_ref * dy.double()).sum() + sum((f * d.double()).sum() for f, d in zip(finals_ref, dfs))
+    loss.backward()
+    got = [None if a is None else a.clone().requires_grad_() for a in args]
+
+    def forward(rank, exchange):
+        return cp_ssd_fused(*[piece(t, rank, world) for t in got], chunk, True, 0.0, math.inf, exchange)
+
+    def loss_of(rank, out):
+        return (out[0] * piece(dy, rank, world)).sum() + (out[1] * dfs[rank]).sum()
+
+    outs = Ranks(world).run(forward, loss_of, got)
+    errs = {"y": rel_err(torch.cat([o[0] for o in outs], 1), y_ref)}
+    errs.update({f"final{r}": rel_err(o[1], f) for r, (o, f) in enumerate(zip(outs, finals_ref))})
+    check_grads(errs, NAMES, [None if a is None else a.grad for a in got], got, ref, TOL[dtype])
+
+
 def _one_rank() -> Exchange:
     return Exchange(gather=lambda t: t.unsqueeze(0), rank=0)
 

@@ -155,13 +155,13 @@ def test_kernel_chunk_length():
         assert fk.kernel_chunk(256) == 256
     with knobs.override(ssd_chunk="32"):
         assert fk.kernel_chunk(256) == 32
-    args = make_inputs(17, 1, 300, 3, 4, 8, 1, D="head", z=True, init=True, bias=True)
+    args = make_inputs(17, 1, 150, 3, 4, 8, 1, D="head", z=True, init=True, bias=True)
     for choice, q in (("auto", 128), ("model", 256)):
         with knobs.override(ssd_chunk=choice):
             pr = fk.prepare(*args, 256, True, 0.0, math.inf)
             assert pr.dims.q == q and pr.region.chunk_size == q
             _, _, saved = ssd_forward(*args, chunk_size=256, dt_softplus=True, return_saved=True)
-            assert saved.sin.shape[1] == math.ceil(300 / q)
+            assert saved.sin.shape[1] == math.ceil(150 / q)
             check(args, 256, True, NOLIM, seed=17)
 
 

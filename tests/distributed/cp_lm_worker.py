@@ -12,17 +12,19 @@ from torch._subclasses.fake_tensor import FakeTensor
 import torch.distributed as dist
 
 import mambac
-from tests.distributed.worker import batch, check_config, model_for
+from tests.distributed.worker import batch, check_config, gathered_grads, model_for
 from tests.helpers import rel_err
 
 # name -> (model config name of worker.CONFIGS, compile options, sequence lengths)
 WORLD2 = {
     "mamba1": ("mamba1", dict(cp=2), (9, 16)),
     "mamba2": ("mamba2", dict(cp=2), (9, 16)),
-    "mamba3_siso": ("mamba3_siso", dict(cp=2), (9,)),
+    "mamba3_siso": ("mamba3_siso", dict(cp=2), (9, 16)),
     "mamba3_mimo_norm": ("mamba3_mimo_norm", dict(cp=2), (7, 16)),
     "mamba2_oddheads_mlp": ("mamba2_oddheads_normbeforegate_mlp", dict(cp=2), (11,)),
     "mamba2_local_inputs": ("mamba2", dict(cp=2, cp_inputs="local"), (9,)),
+    "mamba1_local_inputs": ("mamba1", dict(cp=2, cp_inputs="local"), (10,)),
+    "mamba3_mimo_local_inputs": ("mamba3_mimo_norm", dict(cp=2, cp_inputs="local"), (9,)),
     "mamba2_remat_full": ("mamba2", dict(cp=2, remat="full"), (9,)),
 }
 WORLD4 = {
@@ -31,9 +33,12 @@ WORLD4 = {
     "cp4_mamba3_mimo": ("mamba3_mimo_norm", dict(cp=4), (10,)),
     "tp2xcp2_mamba2": ("mamba2_groups", dict(tp=2, cp=2), (9, 16)),
     "tp2xcp2_mamba3": ("mamba3_siso", dict(tp=2, cp=2), (9,)),
+    "tp2xcp2_mamba3_mimo": ("mamba3_mimo_norm", dict(tp=2, cp=2), (8,)),
     "tp2xcp2_mamba1": ("mamba1", dict(tp=2, cp=2), (8,)),
     "tp2xcp2_mamba1_sp": ("mamba1", dict(tp=2, cp=2, sequence_parallel=True), (11,)),
     "dp2xcp2_mamba2": ("mamba2", dict(dp=2, cp=2), (9,)),
+    "dp2xcp2_mamba1": ("mamba1", dict(dp=2, cp=2), (9,)),
+    "dp2xcp2_mamba3": ("mamba3_siso", dict(dp=2, cp=2), (10,)),
 }
 # the generated kernels under Triton's interpreter (the test sets TRITON_INTERPRET=1): cp_ssd runs
 # its fused form, the exchange inside one autograd Function
@@ -69,7 +74,8 @@ def saved_bytes(module, *inputs) -> int:
 
 
 def long_sequence(world: int, seqlen: int = 8192) -> dict:
-    """Saved activations per rank at a long sequence, against the single-process figure."""
+    """Saved activations per rank at a long sequence, against the single-process figure; the loss
+    and every parameter's gradient against single-process eager."""
     from tests.models.tiny import tiny_lm
     model = tiny_lm("mamba2", seed=3, n_layer=1, d_model=16,
                     ssm_cfg=dict(layer="Mamba2", d_state=8, headdim=8, chunk_size=64))
@@ -78,7 +84,12 @@ def long_sequence(world: int, seqlen: int = 8192) -> dict:
     mine = saved_bytes(compiled, ids, labels)
     whole = saved_bytes(model, ids, labels)
     loss_c, loss_e = compiled(ids, labels), model(ids, labels)
-    return {"rank_bytes": mine, "single_bytes": whole, "loss": rel_err(loss_c, loss_e)}
+    loss_c.backward()
+    loss_e.backward()
+    ref = dict(model.named_parameters())
+    grads = gathered_grads(compiled)
+    return {"rank_bytes": mine, "single_bytes": whole, "loss": rel_err(loss_c, loss_e),
+            "grad": max(rel_err(g, ref[k].grad) for k, g in grads.items())}
 
 
 def _run(table: dict, world: int) -> dict:
@@ -107,8 +118,8 @@ def scenario_cp_lm_kernels(world: int) -> dict:
 
 def scenario_cp_lm(world: int) -> dict:
     res = _run(WORLD2 if world == 2 else WORLD4, world)
+    res["long"] = long_sequence(world)
     if world == 2:
-        res["long"] = long_sequence(world)
         res["sharded_output"] = sharded_output(world)
     res["rank"] = dist.get_rank()
     return res

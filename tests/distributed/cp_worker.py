@@ -121,6 +121,46 @@ def check(op: str, L: int, seed: int) -> dict:
             "worst": max(grads, key=grads.get), "node": out.grad_fn.name()}
 
 
+def check_bf16(op: str, L: int, seed: int) -> dict:
+    """bf16 inputs at a longer length whose per-step decays are small (the pieces' total log-decays
+    are sums of many small terms, which bf16 could not carry): each rank's output piece against the
+    float64 op on the whole sequence, and the dtype of the summaries the exchange carries."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = SEQ_DIM.get(op, 1)
+    t = inputs(op, L, seed)
+    with torch.no_grad():   # steps of log-decay about -0.005: a piece's total is a sum of hundreds
+        for k in ("delta", "dt"):
+            if k in t and op != "mamba3_siso" and op != "mamba3_mimo":
+                t[k].copy_(torch.full_like(t[k], -5.3))  # softplus(-5.3 + bias) is about 0.005
+        if "delta_bias" in t:
+            t["delta_bias"].zero_()
+        if "dt_bias" in t:
+            t["dt_bias"].zero_()
+        for k in ("A", "adt"):
+            if k in t:
+                t[k].copy_(-torch.rand(t[k].shape, generator=_g(seed)) * 0.5 - 0.5 if k == "A" else
+                           -0.005 * (torch.rand(t[k].shape, generator=_g(seed)) + 0.5))
+    ref = full_op(op, {k: v.detach().double() for k, v in t.items()})
+    half = {k: v.detach().to(torch.bfloat16) if v.dim() >= 3 else v.detach() for k, v in t.items()}
+    seen: list[torch.Tensor] = []
+    plain = cp.exchange
+
+    def recording(summary, *args):
+        seen.append(summary.detach().clone())
+        return plain(summary, *args)
+
+    group = dist.group.WORLD.group_name
+    cp.exchange = recording
+    try:
+        out = cp_op(op, half, L, rank, world, group)[0]
+        # the same values in float64: the summaries this rank sent must agree to fp32 precision
+        cp_op(op, {k: v.double() for k, v in half.items()}, L, rank, world, group)
+    finally:
+        cp.exchange = plain
+    return {"out": rel_err(out.double(), cp.local_piece(ref, d, rank, world)), "dtype": str(out.dtype),
+            "summaries": str(seen[0].dtype), "summary_err": rel_err(seen[0].double(), seen[1])}
+
+
 KERNELS = os.environ.get("MAMBAC_TEST_CP_KERNELS", "")   # "" (the default mode) or "triton"
 
 
@@ -132,4 +172,7 @@ def scenario_cp(world: int) -> dict:
     for op in ops:
         for i, L in enumerate(lengths):
             res[f"{op}/{L}"] = check(op, L, seed=10 * i + len(op))
+    if not KERNELS:
+        for op in ("selective_scan", "ssd", "mamba3_siso", "mamba3_mimo"):
+            res[f"{op}/bf16"] = check_bf16(op, 128 * world, seed=len(op))
     return res

@@ -28,6 +28,8 @@ LAYOUTS = {
     # runs, and the fake run that predicts its saved bytes mirrors it (cp_ssd_fused.FakeCPSSD)
     "mamba2_cp2_kernels": ("mamba2", {}, dict(tp=1, cp=2, kernels="triton")),
 }
+# the interpreted layout runs one layer on one sequence (every kernel it launches is interpreted)
+SMALL = {"mamba2_cp2_kernels": dict(n_layer=1, b=1)}
 
 
 def _batch(seed: int = 5, b: int = 4, seqlen: int = 12):
@@ -51,8 +53,9 @@ def _forward_comms(gm) -> list[str]:
 
 def _check(name: str, world: int) -> dict:
     family, over, layout = LAYOUTS[name]
-    model = tiny_lm(family, n_layer=2, **over)
-    ids, labels = _batch()
+    small = SMALL.get(name, {})
+    model = tiny_lm(family, n_layer=small.get("n_layer", 2), **over)
+    ids, labels = _batch(b=small.get("b", 4))
     plain = mambac.compile(model, world_size=world, example_inputs=(ids, labels), **layout)
     base_bytes, base_grads = _step(plain, ids, labels)
     with torch.no_grad():

@@ -2,7 +2,8 @@
 Mamba-1, Mamba-2 and Mamba-3 (SISO, MIMO) scans give each rank its piece of the single-process
 output, the input gradients summed over the ranks equal the single-process ones, and the last
 rank's final states are the sequence's (fp32, <= 1e-5 relative), at lengths that are and are not
-multiples of ranks x chunk; and SSD's generated-kernel form (``cp_ssd`` with kernels="triton" under the
+multiples of ranks x chunk; with bf16 inputs the summaries they exchange are fp32; and SSD's
+generated-kernel form (``cp_ssd`` with kernels="triton" under the
 Triton interpreter) the same way."""
 import pytest
 
@@ -25,6 +26,20 @@ def test_matches_single_process(ranks, op):
         for L in lengths:
             got = res[f"{op}/{L}"]
             assert max(got["out"], got["grad"], got["final"]) <= TOL, (world, r, L, got)
+
+
+@pytest.mark.parametrize("op", ("selective_scan", "ssd", "mamba3_siso", "mamba3_mimo"))
+def test_bf16_inputs_exchange_fp32_summaries(ranks, op):
+    """bf16 inputs, 128 tokens per rank with per-step log-decays near -0.005: the summaries each rank
+    sends are fp32 and equal, to fp32 precision, those of the same values in float64 (decays summed
+    in bf16 would be off by about 2e-3), and the output pieces match the float64 whole-sequence op
+    within bf16 rounding."""
+    world, results = ranks
+    for r, res in enumerate(results):
+        got = res[f"{op}/bf16"]
+        assert got["dtype"] == "torch.bfloat16" and got["summaries"] == "torch.float32", (world, r, got)
+        assert got["summary_err"] <= 1e-5, (world, r, got)
+        assert got["out"] <= 3e-2, (world, r, got)
 
 
 @pytest.mark.parametrize("world", [2, 4])

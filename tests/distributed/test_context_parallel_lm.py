@@ -30,14 +30,15 @@ def test_matches_single_process_eager(ranks):
                 assert got[what] <= TOL, (world, res["rank"], key, what, got)
 
 
-@pytest.mark.parametrize("ranks", [2], indirect=True, ids=["w2"])
 def test_saved_activations_per_rank_are_about_one_over_cp(ranks):
-    _, results = ranks
+    """8192 tokens: each rank saves about 1/cp of the single-process activations, and the loss and
+    parameter gradients still equal eager."""
+    world, results = ranks
     for res in results:
         long = res["long"]
-        assert long["loss"] <= TOL
+        assert long["loss"] <= TOL and long["grad"] <= TOL, long
         ratio = long["rank_bytes"] / long["single_bytes"]
-        assert 0.4 <= ratio <= 0.6, long  # 1/cp = 0.5, plus the small per-rank summaries
+        assert 0.8 / world <= ratio <= 1.2 / world, long  # 1/cp, plus the small per-rank summaries
 
 
 @pytest.mark.parametrize("ranks", [2], indirect=True, ids=["w2"])
