@@ -78,6 +78,7 @@ def check(args, chunk, softplus, limit, seed=0):
     errs = {"y": rel_err(y, y_ref), "final_state": rel_err(final, s_ref)}
     grads = ssd_backward(gy, gs, *args, chunk, softplus, lo, hi, saved=saved)
     check_grads(errs, NAMES, grads, args, ref_in, TOL[dtype])
+    return (y, final), grads, (gy, gs)
 
 
 NOLIM = (0.0, math.inf)
@@ -239,23 +240,21 @@ def test_stacked_heads_chunk_state_matches_referee(monkeypatch, heads, g, flags,
     from mambac.codegen import ssd_kernels as fk
     from mambac.codegen.kernel_ir import TileConfig
     args = make_inputs(13, 2, 45, 8, 6, 8, g, dtype=dtype, **flags)
-    gy = torch.randn(2, 45, 8, 6, generator=torch.Generator().manual_seed(5)).to(dtype)
     stacked = TileConfig(block_m=8, block_k=8, heads=heads, num_warps=1)
-    _with_tiles_matches(monkeypatch, args, 16, gy, [(fk, "CHUNK_STATE", stacked)], seed=0)
+    _with_tiles_matches(monkeypatch, args, 16, [(fk, "CHUNK_STATE", stacked)], seed=0)
 
 
-def _with_tiles_matches(monkeypatch, args, q, gy, tiles, seed):
+def _with_tiles_matches(monkeypatch, args, q, tiles, seed):
     """Under ``tiles`` ((module, family, TileConfig) triples, each launched alone): forward and
-    gradients match the referee (``check``), and the default tiles' results to rounding."""
+    gradients match the referee (``check``), and the default tiles' results, for the same output
+    gradients, to rounding."""
     dtype = args[0].dtype
-    base_y = ssd_forward(*args, chunk_size=q, dt_softplus=True)
-    base = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
     with contextlib.ExitStack() as stack:
         for module, family, tile in tiles:
             stack.enter_context(only_tile(monkeypatch, module, family, tile))
-        check(args, q, True, NOLIM, seed=seed)
-        y = ssd_forward(*args, chunk_size=q, dt_softplus=True)
-        grads = ssd_backward(gy, None, *args, q, True, 0.0, math.inf)
+        y, grads, (gy, gs) = check(args, q, True, NOLIM, seed=seed)
+    *base_y, saved = ssd_forward(*args, chunk_size=q, dt_softplus=True, return_saved=True)
+    base = ssd_backward(gy, gs, *args, q, True, 0.0, math.inf, saved=saved)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(y[0], base_y[0]) <= tol and rel_err(y[1], base_y[1]) <= tol
     _grads_close(base, grads, dtype)
@@ -296,9 +295,8 @@ def test_descriptor_chunk_scan_matches_referee(monkeypatch, dtype, pad, heads):
     from mambac.codegen.kernel_ir import TileConfig
     args = _split_views(make_inputs(17, 2, 128, 4, 16, 16, 1, D="head", z=True, init=True, bias=True,
                                     dtype=dtype), 1, pad)
-    gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
     tile = TileConfig(block_m=32, block_k=16, heads=heads, num_warps=1, tma=True)
-    _with_tiles_matches(monkeypatch, args, 64, gy, [(fk, "CHUNK_SCAN", tile)], seed=4)
+    _with_tiles_matches(monkeypatch, args, 64, [(fk, "CHUNK_SCAN", tile)], seed=4)
 
 
 def test_descriptor_chunk_scan_refuses_uneven_launch(monkeypatch):
@@ -322,9 +320,8 @@ def test_descriptor_dx_matches_referee(monkeypatch, dtype, pad, heads):
     from mambac.codegen.kernel_ir import TileConfig
     args = _split_views(make_inputs(23, 2, 128, 4, 16, 16, 1, D="head_dim", z=True, init=True,
                                     bias=True, dtype=dtype), 1, pad)
-    gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(6)).to(dtype)
     tile = TileConfig(block_m=32, block_k=16, heads=heads, num_warps=1, tma=True)
-    _with_tiles_matches(monkeypatch, args, 64, gy, [(bk, "DX", tile)], seed=8)
+    _with_tiles_matches(monkeypatch, args, 64, [(bk, "DX", tile)], seed=8)
 
 
 @pytest.mark.parametrize("dtype,pad", [(torch.float32, 0), (torch.bfloat16, 3)],
@@ -338,11 +335,10 @@ def test_descriptor_dcb_dc_db_match_referee(monkeypatch, dtype, pad):
     g = 2
     args = _split_views(make_inputs(29, 2, 128, 8, 16, 16, g, D="head", init=True, bias=True,
                                     dtype=dtype), g, pad)
-    gy = torch.randn(2, 128, 8, 16, generator=torch.Generator().manual_seed(9)).to(dtype)
     tiles = [(bk, "DCB", TileConfig(block_m=16, heads=2, splits=2, num_warps=1, tma=True))]
     tiles += [(bk, fam, TileConfig(block_m=16, block_k=bs, splits=2, num_warps=1, tma=True))
               for fam, bs in (("DC", 32), ("DB", 16))]
-    _with_tiles_matches(monkeypatch, args, 64, gy, tiles, seed=10)
+    _with_tiles_matches(monkeypatch, args, 64, tiles, seed=10)
 
 
 @pytest.mark.parametrize("dtype,pad,heads", [(torch.float32, 0, 1), (torch.bfloat16, 3, 2)],
@@ -356,11 +352,10 @@ def test_descriptor_chunk_state_and_dstate_match_referee(monkeypatch, dtype, pad
     from mambac.codegen.kernel_ir import TileConfig
     args = _split_views(make_inputs(31, 2, 128, 4, 16, 16, 1, D="head", init=True, bias=True,
                                     dtype=dtype), 1, pad)
-    gy = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(12)).to(dtype)
     tiles = [(fk, "CHUNK_STATE", TileConfig(block_m=16, block_k=16, heads=heads, num_warps=1, tma=True)),
              (bk, "DSTATE", TileConfig(block_m=16, block_k=32, num_warps=1, tma=True))]
     with knobs.override(ssd_walk="0"):   # the per-chunk states, not the walks
-        _with_tiles_matches(monkeypatch, args, 64, gy, tiles, seed=14)
+        _with_tiles_matches(monkeypatch, args, 64, tiles, seed=14)
 
 
 @pytest.mark.parametrize("dtype,pad", [(torch.float32, 0), (torch.bfloat16, 3)],
@@ -374,21 +369,18 @@ def test_state_walks_match_referee_and_the_per_chunk_states(dtype, pad):
     from mambac.codegen import ssd_launch
     args = _split_views(make_inputs(37, 2, 128, 4, 32, 32, 2, D="head", z=True, init=True, bias=True,
                                     dtype=dtype), 2, pad)
-    gy = torch.randn(2, 128, 4, 32, generator=torch.Generator().manual_seed(15)).to(dtype)
     pr = fk.prepare(*args, 64, True, 0.0, math.inf)
-    with knobs.override(ssd_walk="0"):
-        assert fk.choose_walk(pr) == "three"
-        base_y = ssd_forward(*args, chunk_size=64, dt_softplus=True)
-        base = ssd_backward(gy, None, *args, 64, True, 0.0, math.inf)
-        base_saved = fk.forward_prepared(pr)[2]
-    ssd_launch._PLANS.clear()
     with knobs.override(ssd_walk="1"):
         assert fk.choose_walk(pr) == "walk"
-        check(args, 64, True, NOLIM, seed=16)
-        y = ssd_forward(*args, chunk_size=64, dt_softplus=True)
-        grads = ssd_backward(gy, None, *args, 64, True, 0.0, math.inf)
+        y, grads, (gy, gs) = check(args, 64, True, NOLIM, seed=16)
         saved = fk.forward_prepared(pr)[2]
     assert {"ssd_state_walk", "ssd_state_walk_bwd"} <= {k[0] for k in ssd_launch._PLANS}
+    ssd_launch._PLANS.clear()
+    with knobs.override(ssd_walk="0"):
+        assert fk.choose_walk(pr) == "three"
+        *base_y, base_saved = ssd_forward(*args, chunk_size=64, dt_softplus=True, return_saved=True)
+        base = ssd_backward(gy, gs, *args, 64, True, 0.0, math.inf, saved=base_saved)
+    assert not {"ssd_state_walk", "ssd_state_walk_bwd"} & {k[0] for k in ssd_launch._PLANS}
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(y[0], base_y[0]) <= tol and rel_err(y[1], base_y[1]) <= tol
     _grads_close(base, grads, dtype)

@@ -1,0 +1,52 @@
+"""The torch.compile backend on CUDA: parity with eager and the graphs compiled per new length.
+
+For the tiny Mamba-2, Mamba-1 and Mamba-3 SISO LMs (fp32, on the GPU) compiled with
+``MambacBackend``, runs lengths 16, 24 and 37 (forward, loss and backward) and prints, per model,
+how many graphs the backend lowered (2 means a static graph, then one dynamic graph for every later
+length) and the worst relative error of the loss and gradients against eager.  Dynamo's
+recompile reasons are printed as they happen (``TORCH_LOGS=recompiles``), so a length that
+compiles again says which guard failed.
+
+Usage (a CUDA machine, from the repository root): ``python3 benchmarks/check_backend_cuda.py [0|1]``
+(1, the default: backward through AOTAutograd; 0: ``trace_backward=False``).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch._dynamo
+
+sys.path.insert(0, ".")
+from mambac.backend import MambacBackend  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+from tests.models.tiny import tiny_lm  # noqa: E402
+
+
+def main(trace_backward: bool) -> None:
+    torch._logging.set_logs(recompiles=True)
+    torch.manual_seed(0)
+    for variant in ("mamba2", "mamba1", "mamba3_siso"):
+        m = tiny_lm(variant).cuda()
+        e = copy.deepcopy(m)
+        be = MambacBackend(trace_backward=trace_backward)
+        torch._dynamo.reset()
+        c = torch.compile(m, backend=be)
+        worst = 0.0
+        for L in (16, 24, 37):
+            ids = torch.randint(0, 37, (2, L), device="cuda")
+            lab = torch.randint(0, 37, (2, L), device="cuda")
+            m.zero_grad()
+            e.zero_grad()
+            lc, le = c(ids, lab), e(ids, lab)
+            lc.backward()
+            le.backward()
+            ref = dict(e.named_parameters())
+            worst = max([worst, rel_err(lc, le)] + [rel_err(p.grad, ref[n].grad) for n, p in m.named_parameters()])
+        print(f"backend on CUDA {variant}: trace_backward={be.trace_backward} graphs={len(be.graphs)} "
+              f"worst rel err {worst:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] != ["0"])
