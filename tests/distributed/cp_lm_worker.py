@@ -43,8 +43,7 @@ WORLD4 = {
 # the generated kernels under Triton's interpreter (the test sets TRITON_INTERPRET=1): cp_ssd runs
 # its fused form, the exchange inside one autograd Function
 KERNELS2 = {"mamba2_kernels": ("mamba2", dict(cp=2, kernels="triton"), (9,))}
-KERNELS4 = {"tp2xcp2_mamba2_kernels": ("mamba2_groups", dict(tp=2, cp=2, kernels="triton"), (9,)),
-            "dp2xcp2_mamba2_kernels": ("mamba2", dict(dp=2, cp=2, kernels="triton"), (11,))}
+KERNELS4 = {"tp2xcp2_mamba2_kernels": ("mamba2_groups", dict(tp=2, cp=2, kernels="triton"), (11,))}
 
 
 def sharded_output(world: int) -> float:

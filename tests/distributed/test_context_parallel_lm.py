@@ -50,7 +50,7 @@ def test_sharded_output_is_this_ranks_piece_of_the_sequence(ranks):
 @pytest.mark.parametrize("world", [2, 4])
 def test_generated_kernels_with_the_fused_cp_ssd_match_single_process_eager(world, tmp_path):
     """kernels="triton" under the interpreter: cp_ssd runs its fused form (exchange inside the
-    autograd Function), alone, under tp x cp and under dp x cp, and the LM still equals eager."""
+    autograd Function), alone (cp=2) and under tp x cp (2 x 2), and the LM still equals eager."""
     env = {"TRITON_INTERPRET": "1", "MAMBAC_CACHE_DIR": str(tmp_path)}
     results = run_ranks(world, "cp_lm_kernels", timeout=300, env=env)
     for res in results:
