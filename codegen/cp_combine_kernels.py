@@ -30,7 +30,8 @@ from mambac.codegen.autotune import interpreting
 @triton.jit
 def _store_rounded(ptr, v, mask, EMULATE_BF16: tl.constexpr):
     """Store fp32 ``v`` in ``ptr``'s dtype; EMULATE_BF16: round to nearest even by hand into bf16
-    (the interpreter's cast truncates)."""
+    (the interpreter's cast truncates; the generated kernels' ``_to_bf16``, from
+    ``render_common.emit_to_bf16``, does the same)."""
     if EMULATE_BF16:
         u = v.to(tl.uint32, bitcast=True)
         u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
@@ -80,10 +81,10 @@ def fold_incoming_state(gathered: Tensor, rank: int, cs: Tensor, sin0: Tensor, f
                         dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Give a piece scanned from zero its incoming state: from ``sin0`` (b, nc, h, p, n), the
     states entering its chunks from zero (fp32, so that they are rounded once), the states from
-    S_in in ``dtype``, and the final state from S_in, (b, h, p, n) fp32.  ``gathered`` (W, b, >= h*p*n + h) fp32: every rank's final
-    state from zero then its total log-decay, in rank order; ``cs`` (b, h, nc*chunk) fp32, the dA
-    cumsum restarting at every chunk; ``f0`` this piece's final state from zero.  S_in is the
-    exclusive prefix combine of ranks 0 .. rank-1."""
+    S_in in ``dtype``, and the final state from S_in, (b, h, p, n) fp32.  ``gathered`` (W, b,
+    >= h*p*n + h) fp32: every rank's final state from zero then its total log-decay, in rank
+    order; ``cs`` (b, h, nc*chunk) fp32, the dA cumsum restarting at every chunk; ``f0`` this
+    piece's final state from zero.  S_in is the exclusive prefix combine of ranks 0 .. rank-1."""
     b, nc, h = sin0.shape[0], sin0.shape[1], sin0.shape[2]
     pn = sin0[0, 0, 0].numel()
     sin = torch.empty(sin0.shape, device=sin0.device, dtype=dtype)
@@ -98,8 +99,8 @@ def fold_incoming_state(gathered: Tensor, rank: int, cs: Tensor, sin0: Tensor, f
 
 
 @triton.jit
-def _fold_outgoing(E, TOT, CS, SIN, DSOUT0, DSOUT, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b, Q: tl.constexpr,
-                   BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _fold_outgoing(E, TOT, CS, SIN, DSOUT0, DSOUT, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b,
+                   Q: tl.constexpr, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
@@ -132,9 +133,10 @@ def fold_outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor,
     """Add the later ranks' gradient of this piece's final state: from ``dsout0`` (b, nc, h, p, n),
     the gradients of the states leaving its chunks given its own final-state gradient (fp32, so
     that they are rounded once), the gradients given that plus dF_ext in ``dtype``, and ``dtot``
-    (b*h, nc, parts) with the total-decay gradient parts this adds appended.  ``every`` (W, b, >= h*p*n) fp32: every rank's incoming-
-    state gradient in rank order; ``totals`` (W, b, h) fp32 every rank's total log-decay; ``sin``
-    the states entering the chunks (from S_in); ``cs`` as for ``fold_incoming_state``."""
+    (b*h, nc, parts) with the total-decay gradient parts this adds appended.  ``every`` (W, b,
+    >= h*p*n) fp32: every rank's incoming-state gradient in rank order; ``totals`` (W, b, h) fp32
+    every rank's total log-decay; ``sin`` the states entering the chunks (from S_in); ``cs`` as
+    for ``fold_incoming_state``."""
     world = every.shape[0]
     b, nc, h = dsout0.shape[0], dsout0.shape[1], dsout0.shape[2]
     pn = dsout0[0, 0, 0].numel()
@@ -144,7 +146,7 @@ def fold_outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor,
     block = 256 if interpreting() else 1024
     tiles = triton.cdiv(pn, block)
     parts = torch.empty(b * h, nc, tiles, device=dsout.device, dtype=torch.float32)
-    _fold_outgoing[(tiles, b * h)](every, totals.to(torch.float32).contiguous(), cs, sin, dsout0, dsout, parts, rank, world,
-                                   nc, h, pn, every.stride(0), every.stride(1), Q=chunk, BLOCK=block,
-                                   EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
+    _fold_outgoing[(tiles, b * h)](every, totals.to(torch.float32).contiguous(), cs, sin, dsout0, dsout, parts,
+                                   rank, world, nc, h, pn, every.stride(0), every.stride(1), Q=chunk,
+                                   BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
     return dsout, torch.cat([dtot, parts], dim=-1)

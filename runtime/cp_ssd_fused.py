@@ -11,7 +11,7 @@ Forward (the plain SSD's launches, plus one fold on ranks > 0):
                       SSD takes them): this rank's summary is (F_local, T)
     S_in    = exclusive prefix combine of every rank's (F_local, T)   (after the all-gather)
     sin_c   = sin0_c + exp(P_c) S_in,  F = F_local + exp(T) S_in      (``fold_incoming_state``:
-              one launch forms S_in and updates the states in place)
+              one launch forms S_in and writes the states; sin0 is kept in fp32 until then)
     y       = chunk scan with sin_c (D skip, z gate fused)
 
 Backward, given (dy, dF).  Later ranks read this rank's (F_local, T) only through
@@ -29,12 +29,14 @@ accounted for by their own weights on F_local):
 2. All-gather every rank's dS_in; dF_ext(k) = sum_{r>k} exp(T_{k+1} + ... + T_{r-1}) dS_in(r).
    The pass is linear in dfinal, so adding dF_ext adds exp(tot_{c+1} + ... + tot_{nc-1}) dF_ext
    to the gradient of chunk c's leaving state and exp(tot_c) <sin_c, that> to its total-decay
-   gradient (``fold_outgoing_gradient``: one launch, in place).  The last rank has no later
+   gradient (``fold_outgoing_gradient``: one launch; the step-1 gradients are kept in fp32
+   until then).  The last rank has no later
    ranks: dF_ext = 0 and step 1 is the answer.
 3. dx, dC (with the true sin), dB and the dt backward as in the plain SSD.
 
-Extra work over the local scan: the two folds (each reads and writes the per-chunk states once,
-b·nc·h·p·n values in the io dtype), the summary packing, and the two all-gathers.  The exchange
+Extra work over the local scan: the two folds (each reads the per-chunk states once in fp32 and
+writes them once in the io dtype, b·nc·h·p·n values), the summary packing, and the two
+all-gathers.  The exchange
 saves only the ranks' total decays (W, b, h) for the backward.
 """
 from __future__ import annotations
@@ -68,12 +70,6 @@ def chunk_totals(pr: Prepared, cs: Tensor) -> Tensor:
     """Total log-decay of every chunk, (b, h, nc) fp32: the last entry of each chunk's cumsum."""
     d = pr.dims
     return cs.view(d.b, d.h, d.nc, d.q)[..., d.q - 1]
-
-
-def with_initial_state(pr: Prepared, init: Tensor) -> Prepared:
-    """The same region started from ``init`` (b, h, p, n)."""
-    return dataclasses.replace(pr, region=dataclasses.replace(pr.region, has_initial_state=True),
-                               init=init.contiguous())
 
 
 def states_in_fp32(pr: Prepared) -> Prepared:
