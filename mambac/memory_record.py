@@ -90,28 +90,82 @@ class _Recorder(torch.fx.Interpreter):
         return st.nbytes()
 
 
+def size_hint(x: Any) -> int:
+    """The integer a size stands for in this example, without a guard: a symbolic size (a graph
+    that ``torch.compile`` traced with dynamic shapes) gives its hint, the value it has for the
+    example inputs.  ``int()`` of it would specialise the compiled graph to that value."""
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        if hint is None:
+            hint = x.node.shape_env.size_hint(x.node.expr)
+        return int(hint)
+    return int(x)
+
+
+def is_parameter_input(n: torch.fx.Node) -> bool:
+    """Whether placeholder ``n`` is a parameter or buffer that dynamo lifted to a graph input
+    (``torch.compile`` graphs take the model's parameters as inputs, marked static)."""
+    v = n.meta.get(VAL)
+    return isinstance(v, torch.nn.Parameter) or "_dynamo_static_input_type" in (n.meta.get("tensor_dict") or {})
+
+
+def _requires_grad(n: torch.fx.Node) -> bool:
+    """Whether input ``n`` requires grad (dynamo's own example value says so for the parameters it
+    lifted to inputs, where the value the passes propagated may not)."""
+    return any(getattr(n.meta.get(k), "requires_grad", False) for k in (VAL, "example_value"))
+
+
+def _data_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and not is_parameter_input(n)]
+
+
 def example_dims(gm: torch.fx.GraphModule) -> tuple[int, int] | None:
-    """(B, L) of the program: dims 0 and 1 of its first tensor input of rank >= 2."""
-    for n in gm.graph.nodes:
+    """(B, L) of the program: dims 0 and 1 of its first tensor input of rank >= 2 (parameters
+    that are graph inputs left out)."""
+    for n in _data_inputs(gm):
         v = n.meta.get(VAL)
-        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() >= 2:
-            return int(v.shape[0]), int(v.shape[1])
+        if isinstance(v, torch.Tensor) and v.dim() >= 2:
+            return size_hint(v.shape[0]), size_hint(v.shape[1])
     return None
 
 
 def _fake_inputs(gm: torch.fx.GraphModule, mode: FakeTensorMode, at: tuple[int, int] | None) -> list[Any]:
-    """Fake graph inputs at (B, L) = ``at``: in inputs of rank >= 2, dim 0 follows B and dim 1
-    follows L where they equal the example's (token ids and labels (B, L); activations (B, L, ...))."""
-    ex, out = example_dims(gm), []
-    for v in (n.meta.get(VAL) for n in gm.graph.nodes if n.op == "placeholder"):
+    """Fake graph inputs, of concrete sizes, at (B, L) = ``at``: in data inputs of rank >= 2, dim 0
+    follows B and dim 1 follows L where they equal the example's (token ids and labels (B, L);
+    activations (B, L, ...)).  A symbolic size becomes its example value, or the new B or L where
+    it is one of those dims' symbols; so do integer inputs that are such a size (dynamo passes the
+    sequence length as one)."""
+    ex, data = example_dims(gm), set(_data_inputs(gm))
+    inputs = [(n.meta.get(VAL), n in data, _requires_grad(n)) for n in gm.graph.nodes if n.op == "placeholder"]
+    moved: dict[Any, int] = {}   # symbol of a dim that follows B or L -> its value at ``at``
+    if at is not None and ex is not None:
+        for v, is_data, _ in inputs:
+            if is_data and isinstance(v, torch.Tensor) and v.dim() >= 2:
+                for s, e, a in zip(v.shape[:2], ex, at):
+                    if isinstance(s, torch.SymInt) and size_hint(s) == e and s.node.expr.is_Symbol:
+                        moved[s.node.expr] = a
+
+    def concrete(s: Any) -> int:
+        if isinstance(s, torch.SymInt) and moved:
+            expr = s.node.expr.xreplace(moved)
+            if expr.is_number:
+                return int(expr)
+        return size_hint(s)
+
+    out = []
+    for v, is_data, grad in inputs:
+        if isinstance(v, torch.SymInt):
+            out.append(concrete(v))
+            continue
         if not isinstance(v, torch.Tensor):
             out.append(v)
             continue
-        shape = list(v.shape)
-        if at is not None and ex is not None and len(shape) >= 2:
+        shape = [concrete(s) for s in v.shape]
+        if is_data and at is not None and ex is not None and len(shape) >= 2:
             shape[:2] = [a if s == e else s for s, e, a in zip(shape[:2], ex, at)]
-        with mode:
-            out.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
+        with mode:  # parameters lifted to inputs keep requires_grad, so autograd saves for them
+            z = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            out.append(z.requires_grad_() if grad and z.is_floating_point() else z)
     return out
 
 

@@ -36,7 +36,7 @@ import torch.fx
 from torch.utils.checkpoint import checkpoint
 
 from mambac.errors import MambacOptionsError
-from mambac.ir import PLACEMENT, SOURCE, SourceInfo
+from mambac.ir import PLACEMENT, SOURCE, VAL, SourceInfo
 from mambac.memory import MEMORY_PLAN, MemoryModel, analyse, human, is_matmul
 from mambac.passes.context import PassContext
 from mambac.passes.rewrite import collapse_region
@@ -60,9 +60,19 @@ class RematRegion(torch.nn.Module):
 
     def forward(self, *args):
         from mambac.ops import kernel_mode, use_kernels
+        if _tracing():  # AOTAutograd records the replay into its backward graph; the ops there carry their mode
+            return checkpoint(self.body, *args, use_reentrant=False)
         mode = kernel_mode()
         return checkpoint(self.body, *args, use_reentrant=False,
                           context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
+
+
+def _tracing() -> bool:
+    """Whether a proxy mode traces this call (AOTAutograd under ``torch.compile``): checkpoint then
+    takes no context managers but ``TorchDispatchMode``s, and needs none here, as the traced
+    backward replays the region's recorded ops, each op node holding the kernel mode it runs in."""
+    get, keys = getattr(torch._C, "_get_dispatch_mode", None), getattr(torch._C, "_TorchDispatchModeKey", None)
+    return get is not None and keys is not None and get(keys.PROXY) is not None
 
 
 @dataclass(frozen=True)
@@ -381,6 +391,19 @@ def activation_budget(gm: torch.fx.GraphModule, opts) -> tuple[int | None, int]:
     return budget - fixed, fixed
 
 
+def pin_example_sizes(gm: torch.fx.GraphModule) -> None:
+    """Make the graph's symbolic input sizes (``torch.compile`` with dynamic shapes) the example's:
+    a plan chosen to meet a budget holds at the sizes it was chosen for, so the compiled graph
+    must only run at those (each new batch size or length is lowered and planned again).  'full',
+    and 'auto' without a budget, recompute the same regions at any size and stay dynamic."""
+    for n in gm.graph.nodes:
+        v = n.meta.get(VAL)
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            for s in v.shape:
+                if isinstance(s, torch.SymInt):
+                    int(s)  # guards the size to its example value
+
+
 def plan_remat(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     """Plan and insert recompute regions for ``ctx.options.remat`` ('none' leaves ``gm`` as it is)."""
     opts = ctx.options
@@ -388,6 +411,8 @@ def plan_remat(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
     if mode == "none":
         return gm
     budget, fixed = activation_budget(gm, opts)
+    if mode == "auto" and budget is not None:
+        pin_example_sizes(gm)
     plan = make_plan(gm, mode, budget, fixed)
     apply_plan(gm, plan, ctx.verify)
     gm.meta[MEMORY_PLAN] = plan

@@ -223,6 +223,42 @@ def test_new_lengths_recompile_once(name):
     assert _fusions(backend.graphs[1]) == {k: v // 2 for k, v in EXPECTED_FUSIONS[name].items()}
 
 
+def _remat_regions(lowered) -> list[str]:
+    return [n.name for n in lowered.gm.graph.nodes if n.op == "call_module" and n.name.startswith("remat_")]
+
+
+@pytest.mark.parametrize("remat", ["full", "auto"])
+def test_remat_through_aot_autograd_keeps_one_dynamic_graph(remat):
+    """remat on one rank goes through AOTAutograd (the replay lands in the traced backward) and,
+    without a budget, its regions do not depend on the length: after the second length one
+    dynamic graph serves every later one, with eager's values and gradients."""
+    model = tiny_lm("mamba2")
+    backend = MambacBackend(remat=remat)
+    compiled = torch.compile(model, backend=backend)
+    for seqlen in (8, 12, 17):
+        _check_parity(model, model, compiled, torch.randint(0, 37, (2, seqlen)))
+    assert len(backend.graphs) == 2
+    ids = next(n for n in backend.graphs[1].gm.graph.nodes if n.op == "placeholder" and "input_ids" in n.name)
+    assert isinstance(ids.meta["val"].shape[1], torch.SymInt)
+    assert _remat_regions(backend.graphs[1]) == _remat_regions(backend.graphs[0]) != []
+
+
+def test_remat_under_a_budget_is_planned_per_length():
+    """A plan chosen to meet memory_budget holds at the sizes it was chosen for: each length is
+    lowered and planned again (no dynamic graph), and each plan meets the budget there."""
+    from mambac.memory import MEMORY_PLAN
+    model = tiny_lm("mamba2")
+    backend = MambacBackend(remat="auto", memory_budget=40_000)
+    compiled = torch.compile(model, backend=backend)
+    for seqlen in (8, 12, 17):
+        _check_parity(model, model, compiled, torch.randint(0, 37, (2, seqlen)))
+    assert len(backend.graphs) == 3
+    for lowered, seqlen in zip(backend.graphs, (8, 12, 17)):
+        plan = lowered.gm.meta[MEMORY_PLAN]
+        assert plan.model.example == (2, seqlen)
+        assert plan.regions and plan.predicted <= plan.budget < plan.baseline
+
+
 def _hf_logits(m):
     return lambda x, **kw: m(x, use_cache=False, **kw).logits
 
