@@ -1,7 +1,7 @@
 """Several GPUs (NCCL): correctness of every layout, tensor-parallel scaling, long-context weak
 scaling and the time spent waiting on collectives.  One rank per GPU, launched with
-``mambac run -n W benchmarks/bench_multigpu.py MODE [options]`` (or torchrun); rank 0 prints a
-markdown table.  ``--tiny`` runs small models on the CPU with gloo (how CI checks this script).
+``mambac run -n W benchmarks/bench_multigpu.py MODE [MODE ...] [options]`` (or torchrun); rank 0 prints a
+markdown table per mode.  ``--tiny`` runs small models on the CPU with gloo (how CI checks this script).
 
 Modes:
   correctness  logits, loss and every parameter gradient of the compiled Mamba-2 and Mamba-3 LMs
@@ -32,9 +32,9 @@ M2_130M = dict(d_model=768, n_layer=24, vocab_size=50288, ssm_cfg=dict(layer="Ma
                                                                        chunk_size=256))
 M2_1B3 = dict(d_model=2048, n_layer=48, vocab_size=50288, ssm_cfg=dict(layer="Mamba2", d_state=128, headdim=64,
                                                                        chunk_size=256))
-TINY = {"mamba2": dict(d_model=32, n_layer=2, vocab_size=64, ssm_cfg=dict(layer="Mamba2", d_state=8, headdim=8,
+TINY = {"mamba2": dict(d_model=32, n_layer=1, vocab_size=64, ssm_cfg=dict(layer="Mamba2", d_state=8, headdim=8,
                                                                           ngroups=2, chunk_size=8)),
-        "mamba3": dict(d_model=32, n_layer=2, vocab_size=64, ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8,
+        "mamba3": dict(d_model=32, n_layer=1, vocab_size=64, ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8,
                                                                           ngroups=2, chunk_size=8))}
 GPU_CORRECT = {"mamba2": dict(M2_130M, n_layer=2),
                "mamba3": dict(d_model=768, n_layer=2, vocab_size=50288,
@@ -202,7 +202,8 @@ def overlap(args, device: str, rank: int, world: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("correctness", "scaling", "longctx", "overlap"))
+    ap.add_argument("mode", nargs="+", choices=("correctness", "scaling", "longctx", "overlap"),
+                    help="one or more modes, run in this order in the same launch")
     ap.add_argument("--tiny", action="store_true", help="small models on the CPU with gloo")
     ap.add_argument("--batch", type=int, default=8, help="per-GPU batch (scaling)")
     ap.add_argument("--seqlen", type=int, default=0, help="sequence length (longctx)")
@@ -210,13 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default="tp", choices=("tp", "cp", "tpxcp", "dpxtp"), help="overlap mode")
     args = ap.parse_args(argv)
     device, rank, world = setup(args.tiny)
-    rows = {"correctness": correctness, "scaling": scaling, "longctx": longctx, "overlap": overlap}[args.mode](
-        args, device, rank, world)
-    if rank == 0:
-        name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu (gloo)"
-        print(f"{args.mode} on {world} x {name}, torch {torch.__version__}")
-        print("\n".join(rows), flush=True)
-    return 0 if all("| NO |" not in r for r in rows) else 1
+    ok = True
+    for mode in args.mode:
+        rows = {"correctness": correctness, "scaling": scaling, "longctx": longctx, "overlap": overlap}[mode](
+            args, device, rank, world)
+        if rank == 0:
+            name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu (gloo)"
+            print(f"{mode} on {world} x {name}, torch {torch.__version__}")
+            print("\n".join(rows), flush=True)
+        ok = ok and all("| NO |" not in r for r in rows)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the Mamba-2 130M LM at batch 8 x 2048 under bf16 autocast, with remat none, full
                                                            # parameters, gradients and AdamW state too
     python benchmarks/bench_remat.py --optimizer     # each timed step also takes an AdamW step (fused on
                                                      # CUDA), so the peak holds its two moments
+    python benchmarks/bench_remat.py --profile       # CUDA: each mode's GPU kernel time by kind and wall time
     python benchmarks/bench_remat.py --tiny          # CPU: a tiny model and batch (checks the script)
 
 One row per mode: the budget, the saved-for-backward bytes mambac.memory predicts, the same bytes
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "parameters, gradients and AdamW state)")
     p.add_argument("--optimizer", action="store_true",
                    help="an AdamW step (fused on CUDA) after every backward: the peak then holds its state")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: after each mode's timed steps, profile 2 more and print their GPU kernel time by "
+                        "kind against the wall time (step_profile.py)")
     p.add_argument("--fit-peak", action="store_true",
                    help="CUDA: give 'auto' the budget minus what 'none' needs besides its saved activations "
                         "(its peak minus its measured saved bytes: weights, gradients, transients)")
@@ -131,6 +135,14 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
     _sync(device)
     row.tokens_per_s = ids.numel() * args.steps / (time.perf_counter() - t0)
     row.peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    if args.profile and device.type == "cuda":
+        from step_profile import print_profile, profile_steps
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            _step(compiled, ids, labels, device, opt)
+        print(f"\nremat={mode}:", end="")
+        print_profile(profile_steps(step, 2))
     return row
 
 
