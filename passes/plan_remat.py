@@ -57,14 +57,40 @@ class RematRegion(torch.nn.Module):
         super().__init__()
         self.body = body
         self.spec = spec
+        # The random number generators' states are saved and restored around the replay only where
+        # the body draws random numbers: that costs host time per region, and reading a CUDA
+        # generator's state is not allowed while a CUDA graph is being captured.
+        self.random = draws_random_numbers(body)
 
     def forward(self, *args):
         from mambac.ops import kernel_mode, use_kernels
         if _tracing():  # AOTAutograd records the replay into its backward graph; the ops there carry their mode
-            return checkpoint(self.body, *args, use_reentrant=False)
+            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random)
         mode = kernel_mode()
-        return checkpoint(self.body, *args, use_reentrant=False,
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random,
                           context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
+
+
+RANDOM_NAMES = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "poisson", "exponential",
+                "cauchy", "geometric", "log_normal", "random")
+
+
+def draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
+    """Whether a node of ``gm`` may draw random numbers: a function, method or module whose name
+    says so (dropout, rand*, bernoulli, normal_, ...) or a sub-module that does.  Errs towards yes."""
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            name = type(mod).__name__
+            if isinstance(mod, torch.fx.GraphModule) and draws_random_numbers(mod):
+                return True
+        elif n.op in ("call_function", "call_method"):
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        else:
+            continue
+        if any(word in str(name).lower() for word in RANDOM_NAMES):
+            return True
+    return False
 
 
 def _tracing() -> bool:

@@ -222,3 +222,45 @@ def test_region_values_come_from_its_nodes_not_from_running_the_wrapper(monkeypa
     def out_shape(g):
         return tuple(next(iter(g.graph.find_nodes(op="output"))).args[0].meta["val"].shape)
     assert out_shape(gm) == out_shape(plain)
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.lin(x)))
+
+
+class _DropoutStack(nn.Module):
+    def __init__(self, d: int = 8, n: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_DropoutBlock(d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_replay_keeps_the_random_state_only_where_a_region_draws_random_numbers():
+    """A region with dropout saves and restores the generators' state, so its replay draws the same
+    mask (gradients equal those without remat, same seed); Mamba blocks draw nothing and skip that
+    (host time per region, and a CUDA graph capture cannot read a CUDA generator's state)."""
+    model, (ids, labels) = tiny_lm("mamba2"), batch()
+    full = mambac.compile(model, remat="full", example_inputs=(ids, labels))
+    assert not any(r.random for r in regions_of(full, ids, labels).values())
+
+    stack = _DropoutStack().train()
+    x = torch.randn(3, 5, 8)
+    plain = mambac.compile(stack, example_inputs=(x,))
+    remat = mambac.compile(stack, remat="full", example_inputs=(x,))
+    regions = [m for m in remat.program_for(x).gm.children() if isinstance(m, RematRegion)]
+    assert len(regions) == 2 and all(r.random for r in regions)
+    grads = []
+    for compiled in (plain, remat):
+        torch.manual_seed(7)
+        grads.append(torch.autograd.grad(compiled(x), list(stack.parameters())))
+    assert_same_grads(grads[1], grads[0])
