@@ -11,6 +11,7 @@ the Mamba-2 130M LM at batch 8 x 2048 under bf16 autocast, with remat none, full
     python benchmarks/bench_remat.py --optimizer     # each timed step also takes an AdamW step (fused on
                                                      # CUDA), so the peak holds its two moments
     python benchmarks/bench_remat.py --profile       # CUDA: each mode's GPU kernel time by kind and wall time
+    python benchmarks/bench_remat.py --cuda-graphs   # CUDA: every mode compiled with cuda_graphs=True
     python benchmarks/bench_remat.py --tiny          # CPU: a tiny model and batch (checks the script)
 
 One row per mode: the budget, the saved-for-backward bytes mambac.memory predicts, the same bytes
@@ -65,6 +66,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "parameters, gradients and AdamW state)")
     p.add_argument("--optimizer", action="store_true",
                    help="an AdamW step (fused on CUDA) after every backward: the peak then holds its state")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: compile with cuda_graphs=True (every mode), so the host's launch time is out of "
+                        "the step; the saved-tensor measurement is skipped and the peak is also given as reserved "
+                        "memory (the graphs' pool)")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: after each mode's timed steps, profile 2 more and print their GPU kernel time by "
                         "kind against the wall time (step_profile.py)")
@@ -110,17 +115,20 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
     row = Row(mode=mode, budget=budget if mode == "auto" else None)
     opts = dict(remat=mode, memory_budget=budget, memory_budget_scope=args.budget_scope) if mode == "auto" \
         else dict(remat=mode)
+    if args.cuda_graphs:
+        opts["cuda_graphs"] = True
     with _autocast(device):  # lowered under the autocast it runs with (its own region: see docs/memory.md)
         compiled = mambac.compile(model, example_inputs=(ids, labels), **opts)
         gm = compiled.program_for(ids, labels).gm
         row.predicted = (gm.meta.get(MEMORY_PLAN) or plan_of(gm)).predicted
     params = list(model.parameters())
     model.zero_grad(set_to_none=True)
-    with _autocast(device):
-        saved = measure_saved(compiled, ids, labels, exclude=params + [ids, labels])
-    row.measured = saved.nbytes
-    saved.output.backward()
-    del saved
+    if not args.cuda_graphs:   # a replayed graph saves nothing through autograd's hooks
+        with _autocast(device):
+            saved = measure_saved(compiled, ids, labels, exclude=params + [ids, labels])
+        row.measured = saved.nbytes
+        saved.output.backward()
+        del saved
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda") if args.optimizer else None
     for _ in range(max(args.warmup, 1 if opt else 0)):  # AdamW's state exists before the timed steps
         model.zero_grad(set_to_none=True)
@@ -135,6 +143,8 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
     _sync(device)
     row.tokens_per_s = ids.numel() * args.steps / (time.perf_counter() - t0)
     row.peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    if args.cuda_graphs:
+        print(f"remat={mode}: peak reserved {human(torch.cuda.max_memory_reserved())} (the graphs' pool included)")
     if args.profile and device.type == "cuda":
         from step_profile import print_profile, profile_steps
 
