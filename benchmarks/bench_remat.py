@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         if mode == "auto" and budget is None:  # --tiny: 60% of what 'none' keeps
             budget = int(0.6 * none.predicted) if none else None
             goal = budget
-        elif mode == "auto" and args.fit_peak and none is not None and none.peak is not None:
+        elif mode == "auto" and args.fit_peak and none is not None and None not in (none.peak, none.measured):
             budget = budget - (none.peak - none.measured)
         try:
             rows.append(run_mode(model, ids, labels, mode, budget, args, device))
