@@ -11,7 +11,8 @@ batch 1 x 64 tokens: the launchers' and the checkpoints' work does not depend on
 PyTorch ops that run on the CPU here are small) is compiled with ``kernels="triton"`` for
 remat 'none', 'auto' without a budget (every cheap region: conv, scan, gated norm per block) and
 'full', and one forward + backward is timed per mode (median of --steps).  Prints milliseconds per
-step and what remat adds.  What it leaves out: Triton's own launch path and the GPU.
+step and what remat adds; first, a 9-op body's forward + backward plain and under
+``torch.utils.checkpoint``.  What it leaves out: Triton's own launch path and the GPU.
 """
 from __future__ import annotations
 
@@ -55,12 +56,44 @@ def main() -> None:
             compiled(ids, labels).backward()
             times.append(time.perf_counter() - t)
         rows.append((mode, regions, statistics.median(times[1:]) * 1e3))
+    checkpoint_table(args.steps)
     base = rows[0][2]
     print(f"| remat ({args.layers} layers, launches stubbed, torch {torch.__version__}) | regions | "
           f"host ms per step | added by remat |")
     print("|---|---|---|---|")
     for mode, regions, ms in rows:
         print(f"| {mode} | {regions} | {ms:.1f} | {ms - base:+.1f} |")
+
+
+def checkpoint_table(repeats: int, calls: int = 300) -> None:
+    """Microseconds per forward + backward of a 9-op elementwise body on 64 floats: plain, under
+    non-reentrant ``torch.utils.checkpoint`` (as ``plan_remat``'s regions run) and reentrant (the
+    median of ``repeats`` groups of ``calls``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def body(x, w):
+        y = x * w
+        for _ in range(4):
+            y = torch.tanh(y) * w
+        return y
+
+    x, w = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    forms = (("plain", lambda: body(x, w)),
+             ("checkpoint, non-reentrant", lambda: checkpoint(body, x, w, use_reentrant=False,
+                                                              preserve_rng_state=False)),
+             ("checkpoint, reentrant", lambda: checkpoint(body, x, w, use_reentrant=True, preserve_rng_state=False)))
+    print("| 9-op body, forward + backward | µs per call |")
+    print("|---|---|")
+    for name, fn in forms:
+        fn().sum().backward()   # first-call set-up out of the timing
+        groups = []
+        for _ in range(max(1, repeats)):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn().sum().backward()
+            groups.append((time.perf_counter() - t) / calls * 1e6)
+        print(f"| {name} | {statistics.median(groups):.0f} |")
+    print()
 
 
 if __name__ == "__main__":
