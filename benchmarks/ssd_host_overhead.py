@@ -22,14 +22,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def stub_kernel_launches() -> None:
+    """Make the generated kernels' launchers do all their host work but launch nothing: no kernel
+    runs, autotuning takes the first candidate untimed, and the candidates are the GPU's."""
+    from mambac.codegen import autotune, compile as cc
+    cc.CompiledKernel.launch = lambda self, grid, a, constexprs, cfg: None   # no kernel runs
+    autotune.choose = lambda family, bucket, cands, bench: cands[0]          # no timing
+    autotune.interpreting = lambda: False                                    # the GPU's candidates
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args()
-    from mambac.codegen import autotune, compile as cc, ssd_kernels as fk, ssd_kernels_bwd as bk
-    cc.CompiledKernel.launch = lambda self, grid, a, constexprs, cfg: None   # no kernel runs
-    autotune.choose = lambda family, bucket, cands, bench: cands[0]          # no timing
-    autotune.interpreting = lambda: False                                    # the GPU's candidates
+    from mambac.codegen import ssd_kernels as fk, ssd_kernels_bwd as bk
+    stub_kernel_launches()
     b, l, h, p, n, g, q = 1, 64, 4, 16, 16, 1, 32
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(b, l, h, p, generator=gen).bfloat16()

@@ -64,11 +64,11 @@ class RematRegion(torch.nn.Module):
 
     def forward(self, *args):
         from mambac.ops import kernel_mode, use_kernels
-        if _tracing():  # AOTAutograd records the replay into its backward graph; the ops there carry their mode
-            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random)
-        mode = kernel_mode()
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random,
-                          context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
+        context = {}
+        if not _tracing():  # traced, the replay lands in AOTAutograd's backward graph, its ops carrying their mode
+            mode = kernel_mode()
+            context["context_fn"] = lambda: (contextlib.nullcontext(), use_kernels(mode))
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random, **context)
 
 
 RANDOM_NAMES = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "poisson", "exponential",
