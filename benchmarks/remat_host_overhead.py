@@ -65,9 +65,11 @@ def main() -> None:
 
 def checkpoint_table(repeats: int, calls: int = 300) -> None:
     """Microseconds per forward + backward of a 9-op elementwise body on 64 floats: plain, under
-    non-reentrant ``torch.utils.checkpoint`` (as ``plan_remat``'s regions run) and reentrant (the
-    median of ``repeats`` groups of ``calls``)."""
+    ``torch.utils.checkpoint`` (non-reentrant and reentrant) and under ``mambac.runtime.replay``
+    (as ``plan_remat``'s regions run; the median of ``repeats`` groups of ``calls``)."""
     from torch.utils.checkpoint import checkpoint
+
+    from mambac.runtime.replay import replay
 
     def body(x, w):
         y = x * w
@@ -79,7 +81,8 @@ def checkpoint_table(repeats: int, calls: int = 300) -> None:
     forms = (("plain", lambda: body(x, w)),
              ("checkpoint, non-reentrant", lambda: checkpoint(body, x, w, use_reentrant=False,
                                                               preserve_rng_state=False)),
-             ("checkpoint, reentrant", lambda: checkpoint(body, x, w, use_reentrant=True, preserve_rng_state=False)))
+             ("checkpoint, reentrant", lambda: checkpoint(body, x, w, use_reentrant=True, preserve_rng_state=False)),
+             ("mambac.runtime.replay (plan_remat's regions)", lambda: replay(body, (x, w), "reference", ())))
     print("| 9-op body, forward + backward | µs per call |")
     print("|---|---|")
     for name, fn in forms:

@@ -7,8 +7,8 @@ is 'full' or 'auto', ``memory_budget`` in bytes per rank for 'auto').  Analyses 
 several the graph holds the rank's local (sharded) shapes, so the bytes are the rank's.
 Guarantees: the same function and, in fp32, bit-identical gradients (recomputation replays the
 same deterministic ops; autograd's graph keeps its shape); each recomputed region is a
-``remat_*`` call_module node running a sub-GraphModule under non-reentrant
-``torch.utils.checkpoint``, so only the region's inputs are kept; with 'auto' the predicted
+``remat_*`` call_module node running a sub-GraphModule through ``RematRegion``, so only the
+region's inputs are kept; with 'auto' the predicted
 saved-for-backward bytes are at most the budget, or a ``MambacOptionsError`` names the least
 budget that can be met.  No region holds a collective that communicates in its forward
 (``all_reduce``, ``all_gather``, ``all_gather_rs``, ``reduce_scatter``): regions end before and
@@ -48,27 +48,34 @@ REMAT = "mambac_remat"    # node.meta: RematTag on every node a region recompute
 
 
 class RematRegion(torch.nn.Module):
-    """A recomputed region: runs ``body`` under non-reentrant checkpointing, so autograd keeps
-    only the region's inputs and replays ``body`` in backward to get what its ops saved.  The
-    replay runs under the kernel mode of the forward (``mambac.ops.use_kernels``; backward runs
-    outside the compiled module's own context), so it recomputes exactly what the forward computed."""
+    """A recomputed region: autograd keeps only the region's inputs, and backward replays ``body``
+    to get what its ops saved.  The replay runs under the kernel mode of the forward
+    (``mambac.ops.use_kernels``; backward runs outside the compiled module's own context), so it
+    recomputes exactly what the forward computed.
+
+    Runs through ``mambac.runtime.replay`` (one autograd Function: the least host time per call),
+    or non-reentrant ``torch.utils.checkpoint`` where the body may draw random numbers (checkpoint
+    saves and restores the generators' states around the replay) and where AOTAutograd traces the
+    call (the replay then lands in its backward graph, its op nodes carrying their kernel mode)."""
 
     def __init__(self, body: torch.fx.GraphModule, spec: RegionSpec) -> None:
         super().__init__()
         self.body = body
         self.spec = spec
-        # The random number generators' states are saved and restored around the replay only where
-        # the body draws random numbers: that costs host time per region, and reading a CUDA
-        # generator's state is not allowed while a CUDA graph is being captured.
+        # Saving the generators' states costs host time per region, and reading a CUDA generator's
+        # state is not allowed while a CUDA graph is being captured: only bodies that draw need it.
         self.random = draws_random_numbers(body)
 
     def forward(self, *args):
         from mambac.ops import kernel_mode, use_kernels
-        context = {}
-        if not _tracing():  # traced, the replay lands in AOTAutograd's backward graph, its ops carrying their mode
-            mode = kernel_mode()
-            context["context_fn"] = lambda: (contextlib.nullcontext(), use_kernels(mode))
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random, **context)
+        from mambac.runtime.replay import replay
+        if _tracing():
+            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random)
+        mode = kernel_mode()
+        if not self.random:
+            return replay(self.body, args, mode, list(self.body.parameters()))
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
 
 
 RANDOM_NAMES = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "poisson", "exponential",
