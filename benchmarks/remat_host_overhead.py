@@ -10,18 +10,22 @@ A Mamba-2 LM with the 130M model's layer count and block structure at tiny sizes
 batch 1 x 64 tokens: the launchers' and the checkpoints' work does not depend on the sizes; the
 PyTorch ops that run on the CPU here are small) is compiled with ``kernels="triton"`` for
 remat 'none', 'auto' without a budget (every cheap region: conv, scan, gated norm per block) and
-'full', and one forward + backward is timed per mode (median of --steps).  Prints milliseconds per
+'full', and one forward + backward is timed per mode, with the regions run by ``mambac.runtime.replay``
+(as they are) and under non-reentrant ``torch.utils.checkpoint`` (median of --steps, the forms
+taking turns).  Prints milliseconds per
 step and what remat adds; first, a 9-op body's forward + backward plain and under
 ``torch.utils.checkpoint``.  What it leaves out: Triton's own launch path and the GPU.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # lets kernels='triton' run on CPU tensors; launches are stubbed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,23 +48,54 @@ def main() -> None:
     model = MambaLMHeadModel(cfg)
     ids = torch.randint(0, 256, (1, 64))
     labels = torch.randint(0, 256, (1, 64))
-    rows = []
+    compiled, regions = {}, {}
     for mode in ("none", "auto", "full"):
-        compiled = mambac.compile(model, kernels="triton", remat=mode, example_inputs=(ids, labels))
-        regions = compiled.program_for(ids, labels).ctx.count("plan_remat", "regions")
-        times = []
-        for _ in range(args.steps + 1):
-            t = time.perf_counter()
-            compiled(ids, labels).backward()
-            times.append(time.perf_counter() - t)
-        rows.append((mode, regions, statistics.median(times[1:]) * 1e3))
+        compiled[mode] = mambac.compile(model, kernels="triton", remat=mode, example_inputs=(ids, labels))
+        regions[mode] = compiled[mode].program_for(ids, labels).ctx.count("plan_remat", "regions")
+        compiled[mode](ids, labels).backward()          # first call's set-up out of the timing
+    forms = [("none", "", compiled["none"])]
+    for mode in ("auto", "full"):
+        forms += [(mode, "replay", compiled[mode]), (mode, "checkpoint", compiled[mode])]
+    times: dict[tuple[str, str], list[float]] = {f[:2]: [] for f in forms}
+    for _ in range(args.steps):                          # forms interleaved: drifts in the host's speed hit all alike
+        for mode, how, fn in forms:
+            with regions_under_checkpoint(how == "checkpoint"):
+                t = time.perf_counter()
+                fn(ids, labels).backward()
+                times[(mode, how)].append(time.perf_counter() - t)
     checkpoint_table(args.steps)
-    base = rows[0][2]
-    print(f"| remat ({args.layers} layers, launches stubbed, torch {torch.__version__}) | regions | "
-          f"host ms per step | added by remat |")
-    print("|---|---|---|---|")
-    for mode, regions, ms in rows:
-        print(f"| {mode} | {regions} | {ms:.1f} | {ms - base:+.1f} |")
+    base = statistics.median(times[("none", "")]) * 1e3
+    print(f"| remat ({args.layers} layers, launches stubbed, torch {torch.__version__}) | regions run by | "
+          f"regions | host ms per step | added by remat |")
+    print("|---|---|---|---|---|")
+    for mode, how, _ in forms:
+        ms = statistics.median(times[(mode, how)]) * 1e3
+        print(f"| {mode} | {how or '-'} | {regions[mode]} | {ms:.1f} | {ms - base:+.1f} |")
+
+
+@contextlib.contextmanager
+def regions_under_checkpoint(on: bool) -> Iterator[None]:
+    """With ``on``, the regions run under non-reentrant ``torch.utils.checkpoint`` (as they did before
+    ``mambac.runtime.replay``) instead of the replay: the comparison the second table makes."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mambac.ops import kernel_mode, use_kernels
+    from mambac.passes.plan_remat import RematRegion
+
+    def under_checkpoint(self, *args):
+        mode = kernel_mode()
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=False,
+                          context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
+
+    if not on:
+        yield
+        return
+    own = RematRegion.forward
+    RematRegion.forward = under_checkpoint
+    try:
+        yield
+    finally:
+        RematRegion.forward = own
 
 
 def checkpoint_table(repeats: int, calls: int = 300) -> None:

@@ -204,15 +204,17 @@ def test_host_overhead_benchmark_prints_its_table():
 
 
 def test_remat_host_overhead_benchmark_prints_its_table():
-    """benchmarks/remat_host_overhead.py runs anywhere (launches stubbed): one row per remat mode,
-    'none' recomputing nothing and the other two recomputing regions."""
+    """benchmarks/remat_host_overhead.py runs anywhere (launches stubbed): one row per remat mode and
+    way of running the regions, 'none' recomputing nothing and the other two recomputing regions."""
     from pathlib import Path
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "remat_host_overhead.py"
     r = subprocess.run([sys.executable, str(script), "--layers", "2", "--steps", "1"], capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = {ln.split("|")[1].strip(): ln.split("|")[2:4] for ln in r.stdout.splitlines()
+    rows = {tuple(c.strip() for c in ln.split("|")[1:3]): ln.split("|")[3:5] for ln in r.stdout.splitlines()
             if ln.startswith(("| none", "| auto", "| full"))}
-    assert set(rows) == {"none", "auto", "full"}, r.stdout
-    assert int(rows["none"][0]) == 0 and int(rows["auto"][0]) > 0 and int(rows["full"][0]) == 2
+    assert set(rows) == {("none", "-"), ("auto", "replay"), ("auto", "checkpoint"), ("full", "replay"),
+                         ("full", "checkpoint")}, r.stdout
+    assert int(rows[("none", "-")][0]) == 0 and int(rows[("auto", "replay")][0]) > 0
+    assert int(rows[("full", "replay")][0]) == 2
     assert all(float(ms) > 0 for _, ms in rows.values())
