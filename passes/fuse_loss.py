@@ -10,7 +10,7 @@ for ``eliminate_dead_code``.
 
 Pattern (every intermediate has exactly one user, so logits someone else reads are never fused)::
 
-    logits = self.lm_head(h)                   # nn.Linear, bias=False
+    logits = self.lm_head(h)                   # nn.Linear, bias=False (or F.linear(h, weight), as dynamo inlines it)
     x = logits[.float()][.flatten(0, 1) | .reshape(-1, V) | .view(-1, V) | .contiguous()]*   # (N, V)
     loss = F.cross_entropy(x, labels_flat, ignore_index=I)   # reduction='mean', no weight, no smoothing
   →
@@ -74,11 +74,26 @@ def _view_step(node: torch.fx.Node, vocab: int) -> bool:
     return out.dtype == src.dtype
 
 
-def _linear_head(gm: torch.fx.GraphModule, node) -> torch.nn.Linear | None:
-    if not isinstance(node, torch.fx.Node) or node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+LINEARS = (F.linear, torch._C._nn.linear)
+
+
+def _head_weight(gm: torch.fx.GraphModule, node) -> torch.fx.Node | str | None:
+    """The weight of a bias-free LM head at ``node``: an ``nn.Linear`` call (the weight's attribute
+    path), or a ``F.linear(h, weight)`` call on a weight node (as dynamo's graphs inline the
+    module; the weight node itself).  None if ``node`` is neither."""
+    if not isinstance(node, torch.fx.Node):
         return None
-    mod = gm.get_submodule(str(node.target))
-    return mod if isinstance(mod, torch.nn.Linear) and mod.bias is None else None
+    if node.op == "call_module":
+        if len(node.args) != 1 or node.kwargs:
+            return None
+        mod = gm.get_submodule(str(node.target))
+        return f"{node.target}.weight" if isinstance(mod, torch.nn.Linear) and mod.bias is None else None
+    if is_call(node, LINEARS) and len(node.args) >= 2 and isinstance(node.args[1], torch.fx.Node):
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        w = _val(node.args[1])
+        if bias is None and isinstance(w, torch.Tensor) and w.dim() == 2 and not set(node.kwargs) - {"bias"}:
+            return node.args[1]
+    return None
 
 
 def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node):
@@ -91,12 +106,12 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node):
     if xs is None or ls is None or len(xs) != 2 or ls != (xs[0],) or _val(labels).dtype != torch.int64:
         return None
     vocab, chain, node = xs[1], [], x
-    while isinstance(node, torch.fx.Node) and node.op != "call_module":
+    while isinstance(node, torch.fx.Node) and _head_weight(gm, node) is None:
         if list(node.users) != [chain[-1] if chain else ce] or not _view_step(node, vocab):
             return None
         chain.append(node)
         node = node.args[0]
-    if _linear_head(gm, node) is None or list(node.users) != [chain[-1] if chain else ce]:
+    if _head_weight(gm, node) is None or list(node.users) != [chain[-1] if chain else ce]:
         return None
     if shape(node) is None or shape(node)[-1] != vocab:
         return None
@@ -110,13 +125,18 @@ def _fuse(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> bool:
     head, chain, labels, ignore_index = got
     hidden = head.args[0]
     by = NAME
+    created = []
     if len(shape(hidden)) != 2:
         hidden = insert_before(ce, "call_method", "flatten", (hidden, 0, -2), created_by=by)
-    weight = insert_before(ce, "get_attr", f"{head.target}.weight", (), created_by=by)
+        created.append(hidden)
+    weight = _head_weight(gm, head)
+    if isinstance(weight, str):
+        weight = insert_before(ce, "get_attr", weight, (), created_by=by)
+        created.append(weight)
     fused = insert_before(ce, "call_function", linear_cross_entropy, (hidden, weight, labels, ignore_index),
                           created_by=by)
     src = source_of(head)
-    for n in {hidden, weight, fused} - {head.args[0]}:   # provenance: the head's module
+    for n in created + [fused]:   # provenance: the head's module
         n.meta[SOURCE] = SourceInfo(src.module_path, src.module_type, by)
     fused.meta[FUSION] = fusion_of(fused).plus(FUSION_NAME)
     out = fused

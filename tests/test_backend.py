@@ -170,7 +170,8 @@ def test_backward_goes_through_aot_autograd_with_opaque_op_backwards(trace_backw
     opaque = {n for n in rec.names if n.startswith("mambac.") and n.endswith("_backward.default")}
     if trace_backward is None:
         assert opaque == {"mambac.ssd_backward.default", "mambac.causal_conv1d_backward.default",
-                          "mambac.add_rmsnorm_backward.default", "mambac.gated_rmsnorm_backward.default"}, rec.names
+                          "mambac.add_rmsnorm_backward.default", "mambac.gated_rmsnorm_backward.default",
+                          "mambac.linear_cross_entropy_backward.default"}, rec.names
     else:
         assert not opaque
 
@@ -221,6 +222,27 @@ def test_new_lengths_recompile_once(name):
     assert isinstance(ids.meta["val"].shape[1], torch.SymInt)
     assert _fusions(backend.graphs[1]) == _fusions(backend.graphs[0])
     assert _fusions(backend.graphs[1]) == {k: v // 2 for k, v in EXPECTED_FUSIONS[name].items()}
+
+
+def test_lm_loss_is_fused_and_new_lengths_keep_one_dynamic_graph():
+    """With labels the LM head and its cross-entropy (``F.linear`` in dynamo's graph) become one
+    chunked ``linear_cross_entropy`` op, as through ``mambac.compile``; the op is one node for any
+    token count, so after the second length one dynamic graph serves the rest, with eager's loss
+    and gradients (also under bf16 autocast, with the bf16 head the unfused loss would run)."""
+    model = tiny_lm("mamba2")
+    backend = MambacBackend()
+    compiled = torch.compile(model, backend=backend)
+    for seqlen in (8, 12, 17):
+        ids, labels = torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen))
+        _check_parity(model, model, compiled, ids, labels)
+    assert len(backend.graphs) == 2
+    assert [g.ctx.stats["fuse_loss"].counts["linear_cross_entropy"] for g in backend.graphs] == [1, 1]
+    ids, labels = torch.randint(0, 37, (2, 12)), torch.randint(0, 37, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _check_parity(model, model, compiled, ids, labels, tol=2e-2)
+        want = model(ids, labels)
+        got = compiled(ids, labels)
+    assert got.dtype == want.dtype == torch.float32 and rel_err(got, want) <= 1e-2
 
 
 def _remat_regions(lowered) -> list[str]:

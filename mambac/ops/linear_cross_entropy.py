@@ -16,8 +16,12 @@ or fp16, the elementwise passes over each chunk are two generated Triton kernels
 gradient written over the chunk's logits in one read and one write.  The forward decides which
 path runs and the backward follows it; float64 and kernel-less devices keep the PyTorch passes.
 
-It is a ``torch.autograd.Function``, not a ``torch.library`` op, so it runs under the caller's
-autocast exactly as the unfused linear would.
+It is a ``torch.library`` op (``mambac::linear_cross_entropy``, with its backward
+``mambac::linear_cross_entropy_backward``), so a tracer (AOTAutograd under ``torch.compile``)
+records one node each, whatever the number of tokens, and a symbolic token count is not
+specialised.  The caller's autocast dtype is read at the call and passed as an argument: the op
+runs its matmuls under that autocast, exactly as the unfused linear would, also where a compiled
+graph runs with autocast's state folded into its ops.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from mambac.errors import MambacInputError
-from mambac.ops._common import kernels_enabled
+from mambac.ops._common import _tracing, kernels_enabled
 
 CHUNK_FP32_BYTES = 2 ** 28   # one chunk's fp32 logits stay within 256 MiB
 
@@ -93,50 +97,120 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, i
     return g.to(logits.dtype)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index: int, chunk: int):
-        n = hidden.shape[0]
-        ctx.autocast = _autocast_state(hidden.device.type)
-        ctx.use_kernels = _use_kernels(hidden, weight)
-        lses, total, count = [], None, None
-        w = _cast_once(weight, ctx.autocast)
+def _forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk: int,
+             autocast: tuple, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, per-token log-sum-exp, count of counted tokens), a chunk of logits at a time."""
+    n = hidden.shape[0]
+    device_type, enabled, dtype = autocast
+    lses, total, count = [], None, None
+    w = _cast_once(weight, autocast)
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
         for s in range(0, n, chunk):
             logits = F.linear(hidden[s:s + chunk], w)
-            lse, part, cnt = _chunk_loss(logits, labels[s:s + chunk], ignore_index, ctx.use_kernels)
+            lse, part, cnt = _chunk_loss(logits, labels[s:s + chunk], ignore_index, use_kernels)
             total = part if total is None else total + part
             count = cnt if count is None else count + cnt
             lses.append(lse)
-        lse_all = torch.cat(lses) if lses else hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype))
-        if total is None:  # no tokens: 0/0, as F.cross_entropy gives
-            total = hidden.new_zeros((), dtype=_acc_dtype(hidden.dtype))
-            count = labels.new_zeros(())
-        ctx.save_for_backward(hidden, weight, labels, lse_all)
-        ctx.ignore_index, ctx.chunk = ignore_index, chunk
-        ctx.count = count
-        return total / count.to(total.dtype)
+    lse_all = torch.cat(lses) if lses else hidden.new_zeros(0, dtype=_loss_dtype(hidden, weight))
+    if total is None:  # no tokens: 0/0, as F.cross_entropy gives
+        total = hidden.new_zeros((), dtype=_loss_dtype(hidden, weight))
+        count = labels.new_zeros(())
+    return total / count.to(total.dtype), lse_all, count
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, labels, lse_all = ctx.saved_tensors
-        device_type, enabled, dtype = ctx.autocast
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        scale = grad_out / ctx.count.to(grad_out.dtype)
-        dhidden = torch.empty_like(hidden) if need_h else None
-        dweight = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
-        w = _cast_once(weight, ctx.autocast)
-        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            for s in range(0, hidden.shape[0], ctx.chunk):
-                h = hidden[s:s + ctx.chunk]
-                g = _chunk_grad(F.linear(h, w), lse_all[s:s + ctx.chunk], labels[s:s + ctx.chunk],
-                                ctx.ignore_index, scale, ctx.use_kernels)
-                if need_h:
-                    dhidden[s:s + ctx.chunk] = torch.matmul(g, w).to(hidden.dtype)
-                if need_w:
-                    dweight += torch.matmul(g.t(), h).to(dweight.dtype)
-        if need_w:
-            dweight = dweight.to(weight.dtype)
-        return dhidden, dweight, None, None, None
+
+def _backward(grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+              lse_all: torch.Tensor, ignore_index: int, chunk: int, autocast: tuple,
+              use_kernels: bool, need_h: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(d hidden, d weight): each chunk's logits recomputed, its gradient formed in place."""
+    device_type, enabled, dtype = autocast
+    count = (labels != ignore_index).sum()   # counted again: cheaper than keeping it for backward
+    scale = grad_out / count.to(grad_out.dtype)
+    dhidden = torch.empty_like(hidden) if need_h else None
+    dweight = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
+    w = _cast_once(weight, autocast)
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            g = _chunk_grad(F.linear(h, w), lse_all[s:s + chunk], labels[s:s + chunk], ignore_index, scale,
+                            use_kernels)
+            if need_h:
+                dhidden[s:s + chunk] = torch.matmul(g, w).to(hidden.dtype)
+            if need_w:
+                dweight += torch.matmul(g.t(), h).to(dweight.dtype)
+    return dhidden, (dweight.to(weight.dtype) if need_w else None)
+
+
+def _loss_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 when an operand is fp64 (autocast leaves fp64 alone)."""
+    return _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+
+
+def _autocast_arg(autocast: tuple) -> torch.dtype | None:
+    return autocast[2] if autocast[1] else None
+
+
+def _autocast_of(device: torch.device, dtype: torch.dtype | None) -> tuple[str, bool, torch.dtype]:
+    return device.type, dtype is not None, dtype if dtype is not None else torch.get_autocast_dtype(device.type)
+
+
+@torch.library.custom_op("mambac::linear_cross_entropy", mutates_args=(),
+                         schema="(Tensor hidden, Tensor weight, Tensor labels, int ignore_index, int chunk, "
+                                "ScalarType? autocast_dtype) -> (Tensor, Tensor, Tensor)")
+def _lce_op(hidden, weight, labels, ignore_index, chunk, autocast_dtype):
+    loss, lse, count = _forward(hidden, weight, labels, ignore_index, chunk, _autocast_of(hidden.device, autocast_dtype),
+                                _use_kernels(hidden, weight))
+    return loss, lse, count
+
+
+@_lce_op.register_fake
+def _lce_fake(hidden, weight, labels, ignore_index, chunk, autocast_dtype):
+    dtype = _loss_dtype(hidden, weight)
+    return hidden.new_empty((), dtype=dtype), hidden.new_empty(hidden.shape[:1], dtype=dtype), \
+        labels.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("mambac::linear_cross_entropy_backward", mutates_args=(),
+                         schema="(Tensor grad_out, Tensor hidden, Tensor weight, Tensor labels, Tensor lse, "
+                                "int ignore_index, int chunk, ScalarType? autocast_dtype, "
+                                "bool need_hidden, bool need_weight, bool use_kernels) -> (Tensor, Tensor)")
+def _lce_backward_op(grad_out, hidden, weight, labels, lse, ignore_index, chunk, autocast_dtype,
+                     need_hidden, need_weight, use_kernels):
+    dh, dw = _backward(grad_out, hidden, weight, labels, lse, ignore_index, chunk,
+                       _autocast_of(hidden.device, autocast_dtype), use_kernels, need_hidden, need_weight)
+    # a custom op returns tensors: an unwanted gradient is an empty one
+    return (dh if dh is not None else hidden.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+
+@_lce_backward_op.register_fake
+def _lce_backward_fake(grad_out, hidden, weight, labels, lse, ignore_index, chunk, autocast_dtype,
+                       need_hidden, need_weight, use_kernels):
+    return (hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, labels, ignore_index, chunk, autocast_dtype = inputs
+    _, lse, count = output
+    ctx.save_for_backward(hidden, weight, labels, lse)
+    ctx.args = (ignore_index, chunk, autocast_dtype)
+    ctx.use_kernels = _use_kernels(hidden, weight)   # the forward's path (False on fake tensors)
+    ctx.mark_non_differentiable(lse, count)
+
+
+def _lce_backward(ctx, grad_loss, _grad_lse, _grad_count):
+    hidden, weight, labels, lse = ctx.saved_tensors
+    need_h, need_w = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
+    if _tracing():   # one opaque node in the traced backward graph
+        dh, dw = torch.ops.mambac.linear_cross_entropy_backward(grad_loss, hidden, weight, labels, lse,
+                                                                 *ctx.args, need_h, need_w, ctx.use_kernels)
+    else:
+        ignore_index, chunk, autocast_dtype = ctx.args
+        dh, dw = _backward(grad_loss, hidden, weight, labels, lse, ignore_index, chunk,
+                           _autocast_of(hidden.device, autocast_dtype), ctx.use_kernels, need_h, need_w)
+    return (dh if need_h else None), (dw if need_w else None), None, None, None, None
+
+
+_lce_op.register_autograd(_lce_backward, setup_context=_setup_context)
 
 
 def _cast_once(weight: torch.Tensor, autocast: tuple) -> torch.Tensor:
@@ -180,4 +254,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     _check(hidden, weight, labels, chunk)
     if labels.dtype != torch.int64:
         labels = labels.long()
-    return _LinearCrossEntropy.apply(hidden, weight, labels, int(ignore_index), chunk)
+    autocast = _autocast_state(hidden.device.type)
+    return torch.ops.mambac.linear_cross_entropy(hidden, weight, labels, int(ignore_index), chunk,
+                                                 _autocast_arg(autocast))[0]
