@@ -34,6 +34,7 @@ import torch
 
 import mambac
 from mambac.memory import MEMORY_PLAN, human, measure_saved, plan_of
+from mambac.passes.plan_remat import loss_workspace_bytes, training_state_bytes
 from mambac.presets import build_preset
 
 GIB = 2 ** 30
@@ -49,6 +50,7 @@ class Row:
     tokens_per_s: float | None = None
     ratio: float | None = None       # tokens/s over remat='none''s
     error: str = ""
+    fixed: int = 0                   # what memory_budget_scope='step' counts besides activations
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,8 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="an AdamW step (fused on CUDA) after every backward: the peak then holds its state")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: compile with cuda_graphs=True (every mode), so the host's launch time is out of "
-                        "the step; the saved-tensor measurement is skipped and the peak is also given as reserved "
-                        "memory (the graphs' pool)")
+                        "the step; the saved-tensor measurement is skipped and the peak is the memory reserved "
+                        "while the steps run (the graphs' pool included), after the warm-up's cache is emptied")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: after each mode's timed steps, profile 2 more and print their GPU kernel time by "
                         "kind against the wall time (step_profile.py)")
@@ -121,6 +123,7 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
         compiled = mambac.compile(model, example_inputs=(ids, labels), **opts)
         gm = compiled.program_for(ids, labels).gm
         row.predicted = (gm.meta.get(MEMORY_PLAN) or plan_of(gm)).predicted
+        row.fixed = training_state_bytes(gm) + loss_workspace_bytes(gm)
     params = list(model.parameters())
     model.zero_grad(set_to_none=True)
     if not args.cuda_graphs:   # a replayed graph saves nothing through autograd's hooks
@@ -134,6 +137,9 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
         model.zero_grad(set_to_none=True)
         _step(compiled, ids, labels, device, opt)
     if device.type == "cuda":
+        if args.cuda_graphs:   # the warm-up's cached blocks go back: what stays reserved is what the step holds
+            gc.collect()
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     _sync(device)
     t0 = time.perf_counter()
@@ -143,8 +149,12 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
     _sync(device)
     row.tokens_per_s = ids.numel() * args.steps / (time.perf_counter() - t0)
     row.peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    if args.cuda_graphs:
-        print(f"remat={mode}: peak reserved {human(torch.cuda.max_memory_reserved())} (the graphs' pool included)")
+    if args.cuda_graphs and device.type == "cuda":
+        # a replay allocates nothing: the graphs' private pool, reserved at capture, holds the step's
+        # activations and temporaries, so the peak is the memory reserved while the steps ran
+        print(f"remat={mode}: peak allocated {human(row.peak)} outside the graphs' pool, peak reserved "
+              f"{human(torch.cuda.max_memory_reserved())} (the pool included): the peak column")
+        row.peak = torch.cuda.max_memory_reserved()
     if args.profile and device.type == "cuda":
         from step_profile import print_profile, profile_steps
 
@@ -200,8 +210,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows = []
     for mode in args.modes.split(","):
         none = next((r for r in rows if r.mode == "none" and r.predicted and not r.error), None)
-        if mode == "auto" and budget is None:  # --tiny: 60% of what 'none' keeps
-            budget = int(0.6 * none.predicted) if none else None
+        if mode == "auto" and budget is None:  # --tiny: 60% of what 'none' keeps (and, scope 'step', the rest)
+            budget = int(0.6 * none.predicted) + (none.fixed if args.budget_scope == "step" else 0) if none else None
             goal = budget
         elif mode == "auto" and args.fit_peak and none is not None and None not in (none.peak, none.measured):
             budget = budget - (none.peak - none.measured)

@@ -103,7 +103,7 @@ def _summary(gm: torch.fx.GraphModule) -> str:
     if plan.budget is not None:
         if plan.fixed:
             lines.append(f"  memory_budget : {human(plan.budget + plan.fixed):>11}   (scope 'step': "
-                         f"{human(plan.fixed)} for parameters, gradients and AdamW's moments)")
+                         f"{human(plan.fixed)} for parameters, gradients, AdamW's moments and the loss's workspace)")
         lines.append(f"  budget        : {human(plan.budget):>11}   ({'met' if plan.predicted <= plan.budget else 'NOT met'}"
                      f"; the least reachable is {human(plan.minimum or 0)})")
     return "\n".join(lines) + "\n"

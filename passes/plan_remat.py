@@ -137,8 +137,8 @@ class RematPlan:
     baseline: int            # saved-for-backward bytes without remat
     predicted: int           # ... with these regions recomputed
     minimum: int | None      # the least any plan of this pass reaches
-    fixed: int = 0           # memory_budget_scope='step': parameters, gradients and AdamW state,
-                             # taken off memory_budget before ``budget`` (what activations may keep)
+    fixed: int = 0           # memory_budget_scope='step': parameters, gradients, AdamW state and the
+                             # loss's workspace, taken off memory_budget before ``budget`` (what activations may keep)
 
 
 @dataclass(frozen=True)
@@ -335,10 +335,38 @@ def training_state_bytes(gm: torch.fx.GraphModule) -> int:
     return total
 
 
+def loss_workspace_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes the loss's backward holds besides the saved activations, at the start of backward
+    when they all still live: for the fused ``linear_cross_entropy``, the fp32 accumulator of the
+    head's weight gradient, one chunk's logits in the compute dtype and the hidden states'
+    gradient (the most of any such node).  What ``memory_budget_scope='step'`` reserves for it."""
+    from mambac.ops.linear_cross_entropy import default_chunk, linear_cross_entropy
+    most = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not linear_cross_entropy:
+            continue
+        hidden, weight = (a.meta.get(VAL) if isinstance(a, torch.fx.Node) else None for a in n.args[:2])
+        if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)):
+            continue
+        tokens, d = (int(_hint(s)) for s in hidden.shape)
+        vocab = int(_hint(weight.shape[0]))
+        chunk = n.args[4] if len(n.args) > 4 and n.args[4] is not None else default_chunk(vocab)
+        dev = hidden.device.type
+        compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+        itemsize = torch.empty((), dtype=compute).element_size()
+        most = max(most, vocab * d * 4 + min(chunk, tokens) * vocab * itemsize + tokens * d * hidden.element_size())
+    return most
+
+
+def _hint(size) -> int:
+    """A size's value at the example, without guarding a symbolic one."""
+    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
+
+
 def _too_small(budget: int, minimum: int, model: MemoryModel, fixed: int = 0) -> MambacOptionsError:
     b, l = model.example
     step = (f" (memory_budget_scope='step': {fixed} bytes ({human(fixed)}) of it go to the parameters, their "
-            "gradients and AdamW's moments)") if fixed else ""
+            "gradients, AdamW's moments and the loss's backward workspace)") if fixed else ""
     return MambacOptionsError(
         f"memory_budget={budget + fixed} bytes ({human(budget + fixed)}) cannot be met for this program at B={b}, "
         f"L={l}{step}: even with every block and the head recomputed, autograd keeps {minimum} bytes "
@@ -414,11 +442,12 @@ def activation_budget(gm: torch.fx.GraphModule, opts) -> tuple[int | None, int]:
     budget = getattr(opts, "memory_budget", None)
     if budget is None or getattr(opts, "memory_budget_scope", "activations") != "step":
         return budget, 0
-    fixed = training_state_bytes(gm)
+    fixed = training_state_bytes(gm) + loss_workspace_bytes(gm)
     if fixed >= budget:
         raise MambacOptionsError(
             f"memory_budget={budget} bytes ({human(budget)}) with memory_budget_scope='step' leaves nothing for "
-            f"activations: this rank's parameters, their gradients and AdamW's moments alone take {fixed} bytes "
+            f"activations: this rank's parameters, their gradients, AdamW's moments and the loss's backward "
+            f"workspace alone take {fixed} bytes "
             f"({human(fixed)}). Raise memory_budget, shard the model over more ranks (tp), or use "
             "memory_budget_scope='activations' to budget the saved activations alone.")
     return budget - fixed, fixed

@@ -99,15 +99,19 @@ def test_impossible_budget_names_the_least_feasible_one():
 
 
 def test_step_scope_counts_parameters_gradients_and_adamw_state():
-    """memory_budget_scope='step': the budget covers the rank's parameters (fp32), their gradients
-    and AdamW's two fp32 moments besides the activations, so a step budget of that much more
-    gives the same plan as an activations budget; too small a step budget is a clear error."""
-    from mambac.passes.plan_remat import training_state_bytes
+    """memory_budget_scope='step': the budget covers the rank's parameters (fp32), their gradients,
+    AdamW's two fp32 moments and the fused loss's backward workspace besides the activations, so a
+    step budget of that much more gives the same plan as an activations budget; too small a step
+    budget is a clear error."""
+    from mambac.passes.plan_remat import loss_workspace_bytes, training_state_bytes
     model, (ids, labels) = tiny_lm("mamba2"), batch()
     plain = mambac.compile(model, example_inputs=(ids, labels))
     gm = plain.program_for(ids, labels).gm
-    fixed = training_state_bytes(gm)
-    assert fixed == sum(p.numel() for p in model.parameters()) * (4 + 4 + 8)
+    assert training_state_bytes(gm) == sum(p.numel() for p in model.parameters()) * (4 + 4 + 8)
+    (vocab, d), tokens = model.lm_head.weight.shape, ids.numel()
+    # the head's fp32 weight-gradient accumulator, one chunk's logits (all tokens here), d hidden
+    assert loss_workspace_bytes(gm) == vocab * d * 4 + tokens * vocab * 4 + tokens * d * 4
+    fixed = training_state_bytes(gm) + loss_workspace_bytes(gm)
     free = make_plan(gm, "auto", None)
     budget = (free.minimum + free.baseline) // 2
     acts = plan_of(mambac.compile(model, remat="auto", memory_budget=budget, example_inputs=(ids, labels)),
