@@ -52,11 +52,8 @@ def _chunk_total(CS, row, c, Q: tl.constexpr):
 @triton.jit
 def _fold_incoming(G, CS, SIN0, SIN, F0, FINAL, RANK, NC, H, PN, HPN, sg_j, sg_b, Q: tl.constexpr,
                    BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    # one program per (tile of p*n, chunk, (batch, head)): every chunk's state is written in
-    # parallel; S_in (a few rows, from L2) and the decay before the chunk are formed per program
     pid = tl.program_id(0)
-    c = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
     h = bh % H
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -71,15 +68,13 @@ def _fold_incoming(G, CS, SIN0, SIN, F0, FINAL, RANK, NC, H, PN, HPN, sg_j, sg_b
         later += tl.load(row + HPN + h)
     cs_row = bh * NC * Q
     before = tl.zeros([], dtype=tl.float32)
-    for cc in range(0, c):
-        before += _chunk_total(CS, cs_row, cc, Q)
-    at = ((bi * NC + c) * H + h) * PN + offs
-    s = tl.load(SIN0 + at, mask=mask, other=0.0).to(tl.float32) + tl.exp(before) * s_in
-    _store_rounded(SIN + at, s, mask, EMULATE_BF16)
-    if c == NC - 1:
+    for c in range(0, NC):
+        at = ((bi * NC + c) * H + h) * PN + offs
+        s = tl.load(SIN0 + at, mask=mask, other=0.0).to(tl.float32) + tl.exp(before) * s_in
+        _store_rounded(SIN + at, s, mask, EMULATE_BF16)
         before += _chunk_total(CS, cs_row, c, Q)
-        f0 = tl.load(F0 + bh * PN + offs, mask=mask, other=0.0)
-        tl.store(FINAL + bh * PN + offs, f0 + tl.exp(before) * s_in, mask=mask)
+    f0 = tl.load(F0 + bh * PN + offs, mask=mask, other=0.0)
+    tl.store(FINAL + bh * PN + offs, f0 + tl.exp(before) * s_in, mask=mask)
 
 
 def fold_incoming_state(gathered: Tensor, rank: int, cs: Tensor, sin0: Tensor, f0: Tensor, chunk: int,
@@ -97,7 +92,7 @@ def fold_incoming_state(gathered: Tensor, rank: int, cs: Tensor, sin0: Tensor, f
     if gathered.stride(-1) != 1:
         gathered = gathered.contiguous()
     block = 256 if interpreting() else 1024
-    _fold_incoming[(triton.cdiv(pn, block), nc, b * h)](
+    _fold_incoming[(triton.cdiv(pn, block), b * h)](
         gathered, cs, sin0, sin, f0.contiguous(), final, rank, nc, h, pn, h * pn, gathered.stride(0),
         gathered.stride(1), Q=chunk, BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
     return sin, final
@@ -106,13 +101,11 @@ def fold_incoming_state(gathered: Tensor, rank: int, cs: Tensor, sin0: Tensor, f
 @triton.jit
 def _fold_outgoing(E, TOT, CS, SIN, DSOUT0, DSOUT, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b,
                    Q: tl.constexpr, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    # one program per (tile of p*n, chunk, (batch, head)), as _fold_incoming
     pid = tl.program_id(0)
-    c = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
     h = bh % H
-    nb = tl.num_programs(2) // H
+    nb = tl.num_programs(1) // H
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
     # dF_ext = sum_{r > RANK} exp(T_{RANK+1} + ... + T_{r-1}) dS_in(r)
@@ -123,15 +116,16 @@ def _fold_outgoing(E, TOT, CS, SIN, DSOUT0, DSOUT, PARTS, RANK, WORLD, NC, H, PN
         between += tl.load(TOT + (r * nb + bi) * H + h)
     cs_row = bh * NC * Q
     after = tl.zeros([], dtype=tl.float32)
-    for cc in range(c + 1, NC):
-        after += _chunk_total(CS, cs_row, cc, Q)
-    tot = _chunk_total(CS, cs_row, c, Q)
-    at = ((bi * NC + c) * H + h) * PN + offs
-    w = tl.exp(after)
-    ds = tl.load(DSOUT0 + at, mask=mask, other=0.0).to(tl.float32) + w * g
-    _store_rounded(DSOUT + at, ds, mask, EMULATE_BF16)
-    s_in = tl.load(SIN + at, mask=mask, other=0.0).to(tl.float32)
-    tl.store(PARTS + (bh * NC + c) * tl.num_programs(0) + pid, tl.exp(tot) * w * tl.sum(s_in * g, 0))
+    for cc in range(0, NC):
+        c = NC - 1 - cc
+        tot = _chunk_total(CS, cs_row, c, Q)
+        at = ((bi * NC + c) * H + h) * PN + offs
+        w = tl.exp(after)
+        ds = tl.load(DSOUT0 + at, mask=mask, other=0.0).to(tl.float32) + w * g
+        _store_rounded(DSOUT + at, ds, mask, EMULATE_BF16)
+        s_in = tl.load(SIN + at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(PARTS + (bh * NC + c) * tl.num_programs(0) + pid, tl.exp(tot) * w * tl.sum(s_in * g, 0))
+        after += tot
 
 
 def fold_outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin: Tensor,
@@ -152,7 +146,7 @@ def fold_outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor,
     block = 256 if interpreting() else 1024
     tiles = triton.cdiv(pn, block)
     parts = torch.empty(b * h, nc, tiles, device=dsout.device, dtype=torch.float32)
-    _fold_outgoing[(tiles, nc, b * h)](every, totals.to(torch.float32).contiguous(), cs, sin, dsout0, dsout, parts,
+    _fold_outgoing[(tiles, b * h)](every, totals.to(torch.float32).contiguous(), cs, sin, dsout0, dsout, parts,
                                    rank, world, nc, h, pn, every.stride(0), every.stride(1), Q=chunk,
                                    BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
     return dsout, torch.cat([dtot, parts], dim=-1)
