@@ -117,7 +117,7 @@ def checkpoint_table(repeats: int, calls: int = 300) -> None:
              ("checkpoint, non-reentrant", lambda: checkpoint(body, x, w, use_reentrant=False,
                                                               preserve_rng_state=False)),
              ("checkpoint, reentrant", lambda: checkpoint(body, x, w, use_reentrant=True, preserve_rng_state=False)),
-             ("mambac.runtime.replay (plan_remat's regions)", lambda: replay(body, (x, w), "reference", ())))
+             ("mambac.runtime.replay (plan_remat's regions)", lambda: replay(body, (x, w), "reference", {})))
     print("| 9-op body, forward + backward | µs per call |")
     print("|---|---|")
     for name, fn in forms:

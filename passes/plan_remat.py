@@ -73,7 +73,7 @@ class RematRegion(torch.nn.Module):
             return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random)
         mode = kernel_mode()
         if not self.random:
-            return replay(self.body, args, mode, list(self.body.parameters()))
+            return replay(self.body, args, mode, dict(self.body.named_parameters()))
         return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
 

@@ -27,10 +27,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 class _Call:
     """What a region call's backward needs besides its saved tensors."""
 
-    __slots__ = ("body", "template", "n_args", "mode", "autocast", "out_template", "out_spec")
+    __slots__ = ("body", "template", "n_args", "mode", "autocast", "names", "out_template", "out_spec")
 
-    def __init__(self, body: torch.nn.Module, template: list, n_args: int, mode: str, autocast: tuple) -> None:
+    def __init__(self, body: torch.nn.Module, template: list, n_args: int, mode: str, autocast: tuple,
+                 names: Sequence[str]) -> None:
         self.body, self.template, self.n_args, self.mode, self.autocast = body, template, n_args, mode, autocast
+        self.names = names             # the body's attribute path of each trainable parameter passed in
         self.out_template: list = []   # the output's leaves, tensors as _TENSOR (set by the forward)
         self.out_spec = None
 
@@ -66,11 +68,21 @@ class _Replay(torch.autograd.Function):
         call: _Call = ctx.call
         need = ctx.needs_input_grad[1:]
         leaves = [t.detach().requires_grad_(bool(n)) for t, n in zip(ctx.saved_tensors, need)]
-        leaves += ctx.params
+        args = _fill(call.template, leaves)
+        run = call.body
+        if all(call.body.get_parameter(name) is t for name, t in zip(call.names, ctx.params)):
+            leaves += ctx.params
+        else:
+            # the forward ran with other tensors in the parameters' places (``torch.func.functional_call``,
+            # as the torch.compile backend's several-rank program swaps its shards in): replay with those
+            swapped = {name: t.detach().requires_grad_() for name, t in zip(call.names, ctx.params)}
+            leaves += swapped.values()
+
+            def run(*a: Any) -> Any:
+                return torch.func.functional_call(call.body, swapped, a, strict=False)
         from mambac.ops import use_kernels
         with torch.enable_grad(), use_kernels(call.mode), _autocast(call.autocast):
-            outs = [v for v in tree_flatten(call.body(*_fill(call.template, leaves[:call.n_args])))[0]
-                    if isinstance(v, torch.Tensor)]
+            outs = [v for v in tree_flatten(run(*args))[0] if isinstance(v, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         wanted = [i for i, n in enumerate(need) if n]
         result: list[torch.Tensor | None] = [None] * len(leaves)
@@ -106,10 +118,11 @@ def _fill(template: list, tensors: Sequence[torch.Tensor]) -> list:
 _TENSOR = object()
 
 
-def replay(body: torch.nn.Module, args: Sequence[Any], mode: str, params: Sequence[torch.nn.Parameter]) -> Any:
+def replay(body: torch.nn.Module, args: Sequence[Any], mode: str, params: dict[str, torch.Tensor]) -> Any:
     """Run ``body(*args)`` keeping only its tensor arguments for backward, which recomputes it
-    (kernel ``mode``, this call's autocast state).  ``params``: the body's parameters; those that
-    require grad get gradients."""
+    (kernel ``mode``, this call's autocast state).  ``params``: the body's parameters by attribute
+    path, as they are now (``body.named_parameters()``); those that require grad get gradients,
+    and the replay runs with these very tensors even if others have taken their places since."""
     template = [_TENSOR if isinstance(a, torch.Tensor) else a for a in args]
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not torch.is_grad_enabled():
@@ -117,7 +130,7 @@ def replay(body: torch.nn.Module, args: Sequence[Any], mode: str, params: Sequen
         with use_kernels(mode):
             return body(*args)
     seen = {id(t) for t in tensors}
-    trainable = [p for p in params if p.requires_grad and id(p) not in seen]
+    trainable = {name: p for name, p in params.items() if p.requires_grad and id(p) not in seen}
     devices = {"cpu"} | {t.device.type for t in tensors[:1]}
-    call = _Call(body, template, len(tensors), mode, _autocast_state(sorted(devices)))
-    return call.rebuild(_Replay.apply(call, *tensors, *trainable))
+    call = _Call(body, template, len(tensors), mode, _autocast_state(sorted(devices)), tuple(trainable))
+    return call.rebuild(_Replay.apply(call, *tensors, *trainable.values()))
