@@ -129,6 +129,26 @@ def _fake_mode_for(example_inputs: Sequence[Any]):
     return detect_fake_mode(list(example_inputs))
 
 
+def _dynamo_fakes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode) -> list:
+    """The inputs to propagate: for each data tensor, the fake value dynamo traced the graph with
+    (its placeholder's ``example_value``, with dynamo's symbolic sizes), else the example itself.
+    Fakifying the real tensor again can miss dynamo's memo and give it static sizes (seen on CUDA):
+    an op relating it to a symbolic input then pins that input's size, and every new length
+    compiles again."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = list(example_inputs)
+    if mode is None or len(placeholders) != len(out):
+        return out
+    for i, (node, example) in enumerate(zip(placeholders, out)):
+        value = node.meta.get("example_value")
+        real_data = (isinstance(example, torch.Tensor) and not isinstance(example, (torch.nn.Parameter, FakeTensor)))
+        if (real_data and isinstance(value, FakeTensor) and value.fake_mode is mode
+                and value.dim() == example.dim() and value.dtype == example.dtype):
+            out[i] = value
+    return out
+
+
 @contextlib.contextmanager
 def _real_constants_allowed(mode):
     """Let ``mode`` take the real tensors that ``get_attr`` nodes read (the parameters of a graph
@@ -149,10 +169,11 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     SymInts) and run the pass pipeline for ``options`` on it."""
     annotate_sources(gm)
     mode = _fake_mode_for(example_inputs)
+    inputs = _dynamo_fakes(gm, example_inputs, mode)
     with _real_constants_allowed(mode):
-        propagate_shapes(gm, list(example_inputs), mode)
+        propagate_shapes(gm, inputs, mode)
         if options.world_size == 1 and swap_foreign_mixers(gm, example_inputs):
-            propagate_shapes(gm, list(example_inputs), mode)  # the swapped-in mixers' nodes
+            propagate_shapes(gm, inputs, mode)  # the swapped-in mixers' nodes
     ctx = _context(options)
     recognise_mixers(gm, ctx)  # before the passes: remat moves op nodes into sub-graphs
     gm = run_passes(gm, ctx, pipeline_for(options))
