@@ -130,22 +130,22 @@ def _fake_mode_for(example_inputs: Sequence[Any]):
 
 
 def _dynamo_fakes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode) -> list:
-    """The inputs to propagate: for each data tensor, the fake value dynamo traced the graph with
-    (its placeholder's ``example_value``, with dynamo's symbolic sizes), else the example itself.
-    Fakifying the real tensor again can miss dynamo's memo and give it static sizes (seen on CUDA):
-    an op relating it to a symbolic input then pins that input's size, and every new length
-    compiles again."""
+    """The inputs to propagate: each real data tensor fakified with the symbolic context dynamo
+    traced it with (``TracingContext.tensor_to_context``, as AOTAutograd does), so its fake has
+    dynamo's own size symbols; the rest as given.  Fakified without it, the tensor gets symbols of
+    its own: on an H100 with torch 2.11 the length was pinned while ``cross_entropy`` related the
+    labels to the logits, and every new length compiled again."""
+    from torch._guards import TracingContext
     from torch._subclasses.fake_tensor import FakeTensor
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tracing = TracingContext.try_get()
+    contexts = getattr(tracing, "tensor_to_context", None)
     out = list(example_inputs)
-    if mode is None or len(placeholders) != len(out):
+    if mode is None or contexts is None:
         return out
-    for i, (node, example) in enumerate(zip(placeholders, out)):
-        value = node.meta.get("example_value")
-        real_data = (isinstance(example, torch.Tensor) and not isinstance(example, (torch.nn.Parameter, FakeTensor)))
-        if (real_data and isinstance(value, FakeTensor) and value.fake_mode is mode
-                and value.dim() == example.dim() and value.dtype == example.dtype):
-            out[i] = value
+    for i, t in enumerate(out):
+        if isinstance(t, torch.Tensor) and not isinstance(t, (torch.nn.Parameter, FakeTensor)) and t in contexts:
+            context = contexts[t]
+            out[i] = mode.from_tensor(t, symbolic_context=context, source=context.tensor_source)
     return out
 
 

@@ -245,6 +245,38 @@ def test_lm_loss_is_fused_and_new_lengths_keep_one_dynamic_graph():
     assert got.dtype == want.dtype == torch.float32 and rel_err(got, want) <= 1e-2
 
 
+def test_shapes_are_propagated_from_dynamos_own_fake_inputs():
+    """The backend fakifies the real inputs with the symbolic contexts dynamo traced them with (as
+    AOTAutograd does), so their fakes carry dynamo's own length symbol, the graph's SymInt input.
+    (On an H100 with torch 2.11 the propagation from plain ``from_tensor`` fakes pinned the length
+    inside ``cross_entropy``: every new length compiled again.)  Parameters stay as given."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from mambac.backend import _dynamo_fakes
+    got, contexts = [], []
+
+    class Recording(FakeTensorMode):
+        def from_tensor(self, t, *args, **kwargs):
+            contexts.append(kwargs.get("symbolic_context"))
+            return super().from_tensor(t, *args, **kwargs)
+
+    def grab(gm, example_inputs):
+        mode = Recording(shape_env=detect_fake_mode(list(example_inputs)).shape_env)
+        contexts.clear()
+        got.append(_dynamo_fakes(gm, example_inputs, mode))
+        return gm.forward
+
+    model = tiny_lm("mamba2", n_layer=1)
+    compiled = torch.compile(model, backend=grab)
+    for seqlen in (8, 12):
+        compiled(torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen)))
+    data = [t for t in got[-1] if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+    lengths = {str(t) for t in got[-1] if isinstance(t, torch.SymInt)}
+    assert len(data) == 2 and len(lengths) == 1 and len(contexts) == 2 and None not in contexts
+    assert all(isinstance(t.shape[1], torch.SymInt) and str(t.shape[1]) in lengths for t in data)
+    assert any(isinstance(t, nn.Parameter) for t in got[-1])
+
+
 def _remat_regions(lowered) -> list[str]:
     return [n.name for n in lowered.gm.graph.nodes if n.op == "call_module" and n.name.startswith("remat_")]
 
