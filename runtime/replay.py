@@ -70,7 +70,7 @@ class _Replay(torch.autograd.Function):
         leaves = [t.detach().requires_grad_(bool(n)) for t, n in zip(ctx.saved_tensors, need)]
         args = _fill(call.template, leaves)
         run = call.body
-        if all(call.body.get_parameter(name) is t for name, t in zip(call.names, ctx.params)):
+        if all(_attribute(call.body, name) is t for name, t in zip(call.names, ctx.params)):
             leaves += ctx.params
         else:
             # the forward ran with other tensors in the parameters' places (``torch.func.functional_call``,
@@ -107,6 +107,12 @@ class _autocast:
     def __exit__(self, *exc: Any) -> None:
         for m in reversed(self.managers):
             m.__exit__(*exc)
+
+
+def _attribute(module: torch.nn.Module, path: str) -> Any:
+    """What ``module`` holds at the dotted ``path`` now (a parameter, or a tensor swapped in)."""
+    owner, _, name = path.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name, None)
 
 
 def _fill(template: list, tensors: Sequence[torch.Tensor]) -> list:
