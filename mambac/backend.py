@@ -132,9 +132,9 @@ def _fake_mode_for(example_inputs: Sequence[Any]):
 def _dynamo_fakes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode) -> list:
     """The inputs to propagate: each real data tensor fakified with the symbolic context dynamo
     traced it with (``TracingContext.tensor_to_context``, as AOTAutograd does), so its fake has
-    dynamo's own size symbols; the rest as given.  Fakified without it, the tensor gets symbols of
-    its own: on an H100 with torch 2.11 the length was pinned while ``cross_entropy`` related the
-    labels to the logits, and every new length compiled again."""
+    dynamo's own size symbols; the rest as given.  Fakified without it, a tensor may get sizes of
+    its own: on an H100 with torch 2.11 the length was pinned during this propagation, and every
+    new length compiled again."""
     from torch._guards import TracingContext
     from torch._subclasses.fake_tensor import FakeTensor
     tracing = TracingContext.try_get()

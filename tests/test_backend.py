@@ -248,8 +248,8 @@ def test_lm_loss_is_fused_and_new_lengths_keep_one_dynamic_graph():
 def test_shapes_are_propagated_from_dynamos_own_fake_inputs():
     """The backend fakifies the real inputs with the symbolic contexts dynamo traced them with (as
     AOTAutograd does), so their fakes carry dynamo's own length symbol, the graph's SymInt input.
-    (On an H100 with torch 2.11 the propagation from plain ``from_tensor`` fakes pinned the length
-    inside ``cross_entropy``: every new length compiled again.)  Parameters stay as given."""
+    (On an H100 with torch 2.11 the propagation from plain ``from_tensor`` fakes pinned the length:
+    every new length compiled again.)  Parameters stay as given."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
     from mambac.backend import _dynamo_fakes
