@@ -34,7 +34,7 @@ import torch
 
 import mambac
 from mambac.memory import MEMORY_PLAN, human, measure_saved, plan_of
-from mambac.passes.plan_remat import loss_workspace_bytes, training_state_bytes
+from mambac.passes.plan_remat import step_state_bytes
 from mambac.presets import build_preset
 
 GIB = 2 ** 30
@@ -123,7 +123,7 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
         compiled = mambac.compile(model, example_inputs=(ids, labels), **opts)
         gm = compiled.program_for(ids, labels).gm
         row.predicted = (gm.meta.get(MEMORY_PLAN) or plan_of(gm)).predicted
-        row.fixed = training_state_bytes(gm) + loss_workspace_bytes(gm)
+        row.fixed = step_state_bytes(gm)
     params = list(model.parameters())
     model.zero_grad(set_to_none=True)
     if not args.cuda_graphs:   # a replayed graph saves nothing through autograd's hooks

@@ -77,21 +77,13 @@ def main() -> None:
 def regions_under_checkpoint(on: bool) -> Iterator[None]:
     """With ``on``, the regions run under non-reentrant ``torch.utils.checkpoint`` (as they did before
     ``mambac.runtime.replay``) instead of the replay: the comparison the second table makes."""
-    from torch.utils.checkpoint import checkpoint
-
-    from mambac.ops import kernel_mode, use_kernels
     from mambac.passes.plan_remat import RematRegion
-
-    def under_checkpoint(self, *args):
-        mode = kernel_mode()
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=False,
-                          context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
 
     if not on:
         yield
         return
     own = RematRegion.forward
-    RematRegion.forward = under_checkpoint
+    RematRegion.forward = RematRegion.checkpointed
     try:
         yield
     finally:

@@ -129,7 +129,7 @@ def _fake_mode_for(example_inputs: Sequence[Any]):
     return detect_fake_mode(list(example_inputs))
 
 
-def _dynamo_fakes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode) -> list:
+def _dynamo_fakes(example_inputs: Sequence[Any], mode) -> list:
     """The inputs to propagate: each real data tensor fakified with the symbolic context dynamo
     traced it with (``TracingContext.tensor_to_context``, as AOTAutograd does), so its fake has
     dynamo's own size symbols; the rest as given.  Fakified without it, a tensor may get sizes of
@@ -169,7 +169,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     SymInts) and run the pass pipeline for ``options`` on it."""
     annotate_sources(gm)
     mode = _fake_mode_for(example_inputs)
-    inputs = _dynamo_fakes(gm, example_inputs, mode)
+    inputs = _dynamo_fakes(example_inputs, mode)
     with _real_constants_allowed(mode):
         propagate_shapes(gm, inputs, mode)
         if options.world_size == 1 and swap_foreign_mixers(gm, example_inputs):

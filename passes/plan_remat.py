@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from mambac.errors import MambacOptionsError
 from mambac.ir import PLACEMENT, SOURCE, VAL, SourceInfo
 from mambac.memory import MEMORY_PLAN, MemoryModel, analyse, human, is_matmul
+from mambac.memory_record import size_hint
 from mambac.passes.context import PassContext
 from mambac.passes.rewrite import collapse_region
 from mambac.runtime.collectives import FORWARD_COMM, collective_name
@@ -67,14 +68,20 @@ class RematRegion(torch.nn.Module):
         self.random = draws_random_numbers(body)
 
     def forward(self, *args):
-        from mambac.ops import kernel_mode, use_kernels
+        from mambac.ops import kernel_mode
         from mambac.runtime.replay import replay
         if _tracing():
             return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random)
+        if self.random:
+            return self.checkpointed(*args)
+        return replay(self.body, args, kernel_mode(), dict(self.body.named_parameters()))
+
+    def checkpointed(self, *args):
+        """The region under non-reentrant ``torch.utils.checkpoint``, its replay in the forward's
+        kernel mode (and, where the body draws random numbers, with the generators' states)."""
+        from mambac.ops import kernel_mode, use_kernels
         mode = kernel_mode()
-        if not self.random:
-            return replay(self.body, args, mode, dict(self.body.named_parameters()))
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.random,
                           context_fn=lambda: (contextlib.nullcontext(), use_kernels(mode)))
 
 
@@ -340,6 +347,7 @@ def loss_workspace_bytes(gm: torch.fx.GraphModule) -> int:
     when they all still live: for the fused ``linear_cross_entropy``, the fp32 accumulator of the
     head's weight gradient, one chunk's logits in the compute dtype and the hidden states'
     gradient (the most of any such node).  What ``memory_budget_scope='step'`` reserves for it."""
+    from mambac.ops._common import autocast_dtype
     from mambac.ops.linear_cross_entropy import default_chunk, linear_cross_entropy
     most = 0
     for n in gm.graph.nodes:
@@ -348,19 +356,17 @@ def loss_workspace_bytes(gm: torch.fx.GraphModule) -> int:
         hidden, weight = (a.meta.get(VAL) if isinstance(a, torch.fx.Node) else None for a in n.args[:2])
         if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)):
             continue
-        tokens, d = (int(_hint(s)) for s in hidden.shape)
-        vocab = int(_hint(weight.shape[0]))
+        tokens, d = (size_hint(s) for s in hidden.shape)
+        vocab = size_hint(weight.shape[0])
         chunk = n.args[4] if len(n.args) > 4 and n.args[4] is not None else default_chunk(vocab)
-        dev = hidden.device.type
-        compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-        itemsize = torch.empty((), dtype=compute).element_size()
-        most = max(most, vocab * d * 4 + min(chunk, tokens) * vocab * itemsize + tokens * d * hidden.element_size())
+        compute = autocast_dtype(hidden.device.type) or weight.dtype
+        most = max(most, vocab * d * 4 + min(chunk, tokens) * vocab * compute.itemsize + tokens * d * hidden.itemsize)
     return most
 
 
-def _hint(size) -> int:
-    """A size's value at the example, without guarding a symbolic one."""
-    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
+def step_state_bytes(gm: torch.fx.GraphModule) -> int:
+    """What ``memory_budget_scope='step'`` takes off the budget before the saved activations."""
+    return training_state_bytes(gm) + loss_workspace_bytes(gm)
 
 
 def _too_small(budget: int, minimum: int, model: MemoryModel, fixed: int = 0) -> MambacOptionsError:
@@ -442,7 +448,7 @@ def activation_budget(gm: torch.fx.GraphModule, opts) -> tuple[int | None, int]:
     budget = getattr(opts, "memory_budget", None)
     if budget is None or getattr(opts, "memory_budget_scope", "activations") != "step":
         return budget, 0
-    fixed = training_state_bytes(gm) + loss_workspace_bytes(gm)
+    fixed = step_state_bytes(gm)
     if fixed >= budget:
         raise MambacOptionsError(
             f"memory_budget={budget} bytes ({human(budget)}) with memory_budget_scope='step' leaves nothing for "

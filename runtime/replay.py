@@ -47,7 +47,9 @@ class _Call:
 
 
 def _autocast_state(device_types: Sequence[str]) -> tuple:
-    return tuple((d, torch.get_autocast_dtype(d)) for d in device_types if torch.is_autocast_enabled(d))
+    """(device type, dtype) of each device type where autocast is on now."""
+    from mambac.ops._common import autocast_dtype
+    return tuple((d, dtype) for d in device_types if (dtype := autocast_dtype(d)) is not None)
 
 
 class _Replay(torch.autograd.Function):

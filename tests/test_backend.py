@@ -263,7 +263,7 @@ def test_shapes_are_propagated_from_dynamos_own_fake_inputs():
     def grab(gm, example_inputs):
         mode = Recording(shape_env=detect_fake_mode(list(example_inputs)).shape_env)
         contexts.clear()
-        got.append(_dynamo_fakes(gm, example_inputs, mode))
+        got.append(_dynamo_fakes(example_inputs, mode))
         return gm.forward
 
     model = tiny_lm("mamba2", n_layer=1)

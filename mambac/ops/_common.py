@@ -313,6 +313,11 @@ def use_kernels(mode: str) -> Iterator[None]:
         _MODE.reset(token)
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts to on ``device_type`` now, or None where autocast is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from mambac.errors import MambacInputError
-from mambac.ops._common import _tracing, kernels_enabled
+from mambac.ops._common import _tracing, autocast_dtype, kernels_enabled
 
 CHUNK_FP32_BYTES = 2 ** 28   # one chunk's fp32 logits stay within 256 MiB
 
@@ -41,10 +41,6 @@ def default_chunk(vocab: int) -> int:
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
-
-
-def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
-    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
 def _chunk_stats(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
@@ -98,13 +94,13 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, i
 
 
 def _forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk: int,
-             autocast: tuple, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, per-token log-sum-exp, count of counted tokens), a chunk of logits at a time."""
+             autocast: torch.dtype | None, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, per-token log-sum-exp, count of counted tokens), a chunk of logits at a time, under
+    ``autocast`` (its dtype; None: off)."""
     n = hidden.shape[0]
-    device_type, enabled, dtype = autocast
     lses, total, count = [], None, None
     w = _cast_once(weight, autocast)
-    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+    with _autocast(hidden, autocast):
         for s in range(0, n, chunk):
             logits = F.linear(hidden[s:s + chunk], w)
             lse, part, cnt = _chunk_loss(logits, labels[s:s + chunk], ignore_index, use_kernels)
@@ -119,16 +115,15 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, i
 
 
 def _backward(grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-              lse_all: torch.Tensor, ignore_index: int, chunk: int, autocast: tuple,
+              lse_all: torch.Tensor, ignore_index: int, chunk: int, autocast: torch.dtype | None,
               use_kernels: bool, need_h: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(d hidden, d weight): each chunk's logits recomputed, its gradient formed in place."""
-    device_type, enabled, dtype = autocast
     count = (labels != ignore_index).sum()   # counted again: cheaper than keeping it for backward
     scale = grad_out / count.to(grad_out.dtype)
     dhidden = torch.empty_like(hidden) if need_h else None
     dweight = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
     w = _cast_once(weight, autocast)
-    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+    with _autocast(hidden, autocast):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
             g = _chunk_grad(F.linear(h, w), lse_all[s:s + chunk], labels[s:s + chunk], ignore_index, scale,
@@ -145,19 +140,16 @@ def _loss_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
 
 
-def _autocast_arg(autocast: tuple) -> torch.dtype | None:
-    return autocast[2] if autocast[1] else None
-
-
-def _autocast_of(device: torch.device, dtype: torch.dtype | None) -> tuple[str, bool, torch.dtype]:
-    return device.type, dtype is not None, dtype if dtype is not None else torch.get_autocast_dtype(device.type)
+def _autocast(hidden: torch.Tensor, dtype: torch.dtype | None) -> torch.autocast:
+    """Autocast to ``dtype`` on ``hidden``'s device (off for None), whatever is in force around."""
+    return torch.autocast(hidden.device.type, dtype=dtype, enabled=dtype is not None)
 
 
 @torch.library.custom_op("mambac::linear_cross_entropy", mutates_args=(),
                          schema="(Tensor hidden, Tensor weight, Tensor labels, int ignore_index, int chunk, "
                                 "ScalarType? autocast_dtype) -> (Tensor, Tensor, Tensor)")
 def _lce_op(hidden, weight, labels, ignore_index, chunk, autocast_dtype):
-    loss, lse, count = _forward(hidden, weight, labels, ignore_index, chunk, _autocast_of(hidden.device, autocast_dtype),
+    loss, lse, count = _forward(hidden, weight, labels, ignore_index, chunk, autocast_dtype,
                                 _use_kernels(hidden, weight))
     return loss, lse, count
 
@@ -176,7 +168,7 @@ def _lce_fake(hidden, weight, labels, ignore_index, chunk, autocast_dtype):
 def _lce_backward_op(grad_out, hidden, weight, labels, lse, ignore_index, chunk, autocast_dtype,
                      need_hidden, need_weight, use_kernels):
     dh, dw = _backward(grad_out, hidden, weight, labels, lse, ignore_index, chunk,
-                       _autocast_of(hidden.device, autocast_dtype), use_kernels, need_hidden, need_weight)
+                       autocast_dtype, use_kernels, need_hidden, need_weight)
     # a custom op returns tensors: an unwanted gradient is an empty one
     return (dh if dh is not None else hidden.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
@@ -206,19 +198,18 @@ def _lce_backward(ctx, grad_loss, _grad_lse, _grad_count):
     else:
         ignore_index, chunk, autocast_dtype = ctx.args
         dh, dw = _backward(grad_loss, hidden, weight, labels, lse, ignore_index, chunk,
-                           _autocast_of(hidden.device, autocast_dtype), ctx.use_kernels, need_h, need_w)
+                           autocast_dtype, ctx.use_kernels, need_h, need_w)
     return (dh if need_h else None), (dw if need_w else None), None, None, None, None
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_setup_context)
 
 
-def _cast_once(weight: torch.Tensor, autocast: tuple) -> torch.Tensor:
-    """The weight in the autocast dtype, cast once per call (not once per chunk's matmul).  Like
-    autocast itself, float64 stays float64."""
-    _, enabled, dtype = autocast
+def _cast_once(weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The weight in the autocast dtype (None: autocast off), cast once per call (not once per
+    chunk's matmul).  Like autocast itself, float64 stays float64."""
     castable = weight.is_floating_point() and weight.dtype not in (dtype, torch.float64)
-    return weight.to(dtype) if enabled and castable else weight
+    return weight.to(dtype) if dtype is not None and castable else weight
 
 
 def _check(hidden, weight, labels, chunk) -> None:
@@ -254,6 +245,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     _check(hidden, weight, labels, chunk)
     if labels.dtype != torch.int64:
         labels = labels.long()
-    autocast = _autocast_state(hidden.device.type)
     return torch.ops.mambac.linear_cross_entropy(hidden, weight, labels, int(ignore_index), chunk,
-                                                 _autocast_arg(autocast))[0]
+                                                 autocast_dtype(hidden.device.type))[0]
