@@ -9,10 +9,11 @@ chunk 256, bf16), times what one cp rank runs:
   instead of keeping them, is a second baseline row ("local scan, op");
 - cp rank r (fold): ``cp_ssd_fused``, the form ``cp_ssd`` runs on generated kernels, for every
   rank of the four: the plain SSD's launches (states from zero by the walk, the chunk scan; the
-  reverse walk and the rest of the backward), plus the fold of the incoming state into the
-  per-chunk states on ranks > 0 and the fold of the later ranks' final-state gradient into the
-  per-chunk state gradients on ranks < 3, with the exchange given (gather: the gathered tensor
-  with this rank's summary in its slot);
+  reverse walk and the rest of the backward), with the incoming state formed by one small launch
+  and added by the chunk scan as it loads the per-chunk states on ranks > 0, and the later ranks'
+  final-state gradient formed by one small launch and added by dx and dB as they load the state
+  gradients on ranks < 3, with the exchange given (gather: the gathered tensor with this rank's
+  summary in its slot);
 - cp, zero-start + correction: the earlier form (``cp_ssd_corrected``: zero-start scan, cumulative
   log-decay, prefix combine, output correction ``y0 + exp(cum) C S_in`` with the z gate), the
   all-gather replaced by the tensor it would return.
@@ -172,28 +173,26 @@ def _bodies(t: dict, s: dict, gathered: torch.Tensor) -> dict:
 
 
 def _forward_pieces(t: dict, s: dict, gathered: torch.Tensor, bench) -> dict:
-    """Time of each piece of the cp rank's extra work (the folds: what the fold form adds), and of
-    the zero-start + correction form's."""
-    from mambac.codegen.cp_combine_kernels import fold_incoming_state, fold_outgoing_gradient
+    """Time of the cp rank's own small launches (what the fold form adds besides the folds inside
+    the chunk scan, dx and dB), and of the zero-start + correction form's pieces."""
+    from mambac.codegen.cp_combine_kernels import incoming_state, outgoing_gradient
     from mambac.codegen.ssd_kernels import forward_path, prepare, run_states
-    from mambac.runtime.cp_ssd_fused import chunk_totals, states_in_fp32
+    from mambac.runtime.cp_ssd_fused import chunk_totals
     ct, inf = torch.float32, float("inf")
     pr = prepare(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"], None, s["q"], True, 0.0, inf)
     d, io = pr.dims, pr.region.torch_io
-    sin0, f_local, _, cs = run_states(states_in_fp32(pr), forward_path(pr))
+    sin0, f_local, _, cs = run_states(pr, forward_path(pr))
     last, hpn = s["world"] - 1, s["h"] * s["p"] * s["n"]
     totals = gathered[..., hpn:].contiguous()
-    sin, _ = fold_incoming_state(gathered, last, cs, sin0, f_local, d.q, io)
     dtot = torch.zeros(d.b * d.h, d.nc, 1, device=cs.device)
     y0, local = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"],
                                      None, s["q"], True, 0.0, inf)
     cum = cpf.ssd_summaries(t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)
     s_in = cpf.incoming_state(*cpf.unpack_summaries(gathered, (f_local, totals[0])), last)
-    return {   # sin0 (fp32, the same shape) stands in for the state gradients from dF alone
-        "fold incoming state (rank 3)": bench(lambda: fold_incoming_state(gathered, last, cs, sin0, f_local,
-                                                                           d.q, io)),
-        "fold outgoing gradient (rank 0)": bench(lambda: fold_outgoing_gradient(
-            gathered[..., :hpn], totals, 0, cs, sin, sin0, dtot, d.q, io)),
+    return {
+        "incoming state (rank 3)": bench(lambda: incoming_state(gathered, last, cs, f_local, d.q, io)),
+        "outgoing gradient (rank 0)": bench(lambda: outgoing_gradient(gathered[..., :hpn], totals, 0, cs, sin0,
+                                                                       dtot, d.q, io)),
         "total decay from cs": bench(lambda: chunk_totals(pr, cs).sum(-1)),
         "old: summaries (cumulative log-decay)": bench(lambda: cpf.ssd_summaries(
             t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)),
@@ -274,7 +273,8 @@ def _report(device, dtype, err, rows, parts, graphed, kernels) -> None:
             cp = graphed[kind, form]
             print(f"{kind}, GPU kernel time only (µs), {form}: local scan {base:.1f}, cp rank {cp:.1f}, "
                   f"extra {cp - base:.1f} µs, {100 * (cp - base) / base:.1f}%")
-            extra = {k: v - kernels[kind, "local scan"].get(k, 0.0) for k, v in kernels[kind, form].items()}
+            local = kernels[kind, "local scan"]   # a fold form's kernel against the plain one it replaces
+            extra = {k: v - local.get(k, local.get(k.replace("_fold", ""), 0.0)) for k, v in kernels[kind, form].items()}
             top = sorted(((v, k) for k, v in extra.items() if v > 0.5), reverse=True)[:8]
             print("  kernels it adds (µs per call): " + "; ".join(f"{k[:60]} {v:.1f}" for v, k in top))
     ranks = [f for f, _ in FORMS if f.startswith("cp rank") and "correction" not in f]

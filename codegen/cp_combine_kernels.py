@@ -1,7 +1,8 @@
-"""The exchange's folds of the context-parallel SSD (``runtime.cp_ssd_fused``): the incoming state
-into a piece's per-chunk states (forward) and the later ranks' final-state gradient into its
-per-chunk state gradients (backward), each one launch that also forms the weighted sum over the
-gathered ranks it needs.
+"""The exchange's two small kernels of the context-parallel SSD (``runtime.cp_ssd_fused``): the
+incoming state from the gathered summaries (forward) and the later ranks' final-state gradient from
+the gathered incoming-state gradients (backward).  Neither touches the per-chunk states' values in
+memory: the kernels that read those states add the fold as they load them
+(``render_common.fold_state``).
 """
 from __future__ import annotations
 
@@ -13,18 +14,17 @@ from torch import Tensor
 from mambac.codegen.autotune import interpreting
 
 
-# The exchange's two folds.  A rank's piece is first scanned from a zero state (the walk or the
-# per-chunk states and their passing, as for the plain SSD), and the state entering chunk c is
-# linear in the incoming state: sin_c = sin0_c + exp(P_c) S_in, F = F0 + exp(T) S_in, with
-# P_c = tot_0 + ... + tot_{c-1} and T the sum of all chunk totals (tot_c: the last entry of
-# chunk c's dA cumsum).  Likewise in the backward the gradient of the state leaving chunk c is
-# linear in the final state's gradient: adding dF_ext (what later ranks send back) adds
-# exp(tot_{c+1} + ... + tot_{nc-1}) dF_ext to it, and exp(tot_c) <sin_c, that> to the chunk's
-# total-decay gradient.  Each fold is one launch that forms the rank sum (S_in or dF_ext) from
-# the gathered rows, its weights from the gathered total decays (sums of decays, never
-# differences), and writes every chunk's state: it reads and writes the per-chunk states once,
-# where a second walk or state pass would read x and B (dy and C) again.  The zero-start states
-# come in fp32 (the region's ``fp32_states``) so that the result is rounded to the io dtype once.
+# A rank's piece is first scanned from a zero state (the walk or the per-chunk states and their
+# passing, as for the plain SSD), and the state entering chunk c is linear in the incoming state:
+# sin_c = sin0_c + exp(P_c) S_in, F = F0 + exp(T) S_in, with P_c = tot_0 + ... + tot_{c-1} and T
+# the sum of all chunk totals (tot_c: the last entry of chunk c's dA cumsum).  ``incoming_state``
+# forms S_in from the gathered rows, the weights exp(P_c) and F; the forward's chunk scan adds
+# exp(P_c) S_in to each state it loads and keeps the sum for the backward.  Likewise in the backward
+# the gradient of the state leaving chunk c is linear in the final state's gradient: adding dF_ext
+# (what later ranks send back) adds exp(tot_{c+1} + ... + tot_{nc-1}) dF_ext to it, which dx and dB
+# add as they load it, and exp(tot_c) <sin_c, that> to the chunk's total-decay gradient, which
+# ``outgoing_gradient`` sums here (the one pass over the per-chunk states the exchange costs).  The
+# weights are sums of decays, never differences.
 
 
 @triton.jit
@@ -50,8 +50,8 @@ def _chunk_total(CS, row, c, Q: tl.constexpr):
 
 
 @triton.jit
-def _fold_incoming(G, CS, SIN0, SIN, F0, FINAL, RANK, NC, H, PN, HPN, sg_j, sg_b, Q: tl.constexpr,
-                   BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _incoming(G, CS, F0, FS, FINAL, FW, RANK, NC, H, PN, HPN, sg_j, sg_b, Q: tl.constexpr,
+              BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
@@ -66,41 +66,42 @@ def _fold_incoming(G, CS, SIN0, SIN, F0, FINAL, RANK, NC, H, PN, HPN, sg_j, sg_b
         row = G + j * sg_j + bi * sg_b
         s_in += tl.exp(later) * tl.load(row + h * PN + offs, mask=mask, other=0.0)
         later += tl.load(row + HPN + h)
+    _store_rounded(FS + bh * PN + offs, s_in, mask, EMULATE_BF16)
     cs_row = bh * NC * Q
     before = tl.zeros([], dtype=tl.float32)
     for c in range(0, NC):
-        at = ((bi * NC + c) * H + h) * PN + offs
-        s = tl.load(SIN0 + at, mask=mask, other=0.0).to(tl.float32) + tl.exp(before) * s_in
-        _store_rounded(SIN + at, s, mask, EMULATE_BF16)
+        tl.store(FW + bh * NC + c, tl.exp(before), mask=pid == 0)
         before += _chunk_total(CS, cs_row, c, Q)
     f0 = tl.load(F0 + bh * PN + offs, mask=mask, other=0.0)
     tl.store(FINAL + bh * PN + offs, f0 + tl.exp(before) * s_in, mask=mask)
 
 
-def fold_incoming_state(gathered: Tensor, rank: int, cs: Tensor, sin0: Tensor, f0: Tensor, chunk: int,
-                        dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Give a piece scanned from zero its incoming state: from ``sin0`` (b, nc, h, p, n), the
-    states entering its chunks from zero (fp32, so that they are rounded once), the states from
-    S_in in ``dtype``, and the final state from S_in, (b, h, p, n) fp32.  ``gathered`` (W, b,
-    >= h*p*n + h) fp32: every rank's final state from zero then its total log-decay, in rank
+def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: int,
+                   dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The incoming state of a piece scanned from zero: (S_in (b, h, p, n) in ``dtype``, the
+    piece's final state from S_in (b, h, p, n) fp32, the weights exp(P_c) (b, h, nc) fp32), so
+    that the state entering chunk c is its zero-start state plus exp(P_c) S_in.  ``gathered`` (W,
+    b, >= h*p*n + h) fp32: every rank's final state from zero then its total log-decay, in rank
     order; ``cs`` (b, h, nc*chunk) fp32, the dA cumsum restarting at every chunk; ``f0`` this
     piece's final state from zero.  S_in is the exclusive prefix combine of ranks 0 .. rank-1."""
-    b, nc, h = sin0.shape[0], sin0.shape[1], sin0.shape[2]
-    pn = sin0[0, 0, 0].numel()
-    sin = torch.empty(sin0.shape, device=sin0.device, dtype=dtype)
-    final = torch.empty(b, h, *sin0.shape[3:], device=sin0.device, dtype=torch.float32)
+    b, h = f0.shape[0], f0.shape[1]
+    pn = f0[0, 0].numel()
+    nc = cs.shape[-1] // chunk
+    fs = torch.empty(f0.shape, device=f0.device, dtype=dtype)
+    final = torch.empty(f0.shape, device=f0.device, dtype=torch.float32)
+    fw = torch.empty(b, h, nc, device=f0.device, dtype=torch.float32)
     if gathered.stride(-1) != 1:
         gathered = gathered.contiguous()
     block = 256 if interpreting() else 1024
-    _fold_incoming[(triton.cdiv(pn, block), b * h)](
-        gathered, cs, sin0, sin, f0.contiguous(), final, rank, nc, h, pn, h * pn, gathered.stride(0),
+    _incoming[(triton.cdiv(pn, block), b * h)](
+        gathered, cs, f0.contiguous(), fs, final, fw, rank, nc, h, pn, h * pn, gathered.stride(0),
         gathered.stride(1), Q=chunk, BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
-    return sin, final
+    return fs, final, fw
 
 
 @triton.jit
-def _fold_outgoing(E, TOT, CS, SIN, DSOUT0, DSOUT, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b,
-                   Q: tl.constexpr, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b,
+              Q: tl.constexpr, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
@@ -114,39 +115,39 @@ def _fold_outgoing(E, TOT, CS, SIN, DSOUT0, DSOUT, PARTS, RANK, WORLD, NC, H, PN
     for r in range(RANK + 1, WORLD):
         g += tl.exp(between) * tl.load(E + r * se_j + bi * se_b + h * PN + offs, mask=mask, other=0.0)
         between += tl.load(TOT + (r * nb + bi) * H + h)
+    _store_rounded(GS + bh * PN + offs, g, mask, EMULATE_BF16)
     cs_row = bh * NC * Q
     after = tl.zeros([], dtype=tl.float32)
     for cc in range(0, NC):
         c = NC - 1 - cc
         tot = _chunk_total(CS, cs_row, c, Q)
-        at = ((bi * NC + c) * H + h) * PN + offs
         w = tl.exp(after)
-        ds = tl.load(DSOUT0 + at, mask=mask, other=0.0).to(tl.float32) + w * g
-        _store_rounded(DSOUT + at, ds, mask, EMULATE_BF16)
-        s_in = tl.load(SIN + at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(FW + bh * NC + c, w, mask=pid == 0)
+        s_in = tl.load(SIN + ((bi * NC + c) * H + h) * PN + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(PARTS + (bh * NC + c) * tl.num_programs(0) + pid, tl.exp(tot) * w * tl.sum(s_in * g, 0))
         after += tot
 
 
-def fold_outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin: Tensor,
-                           dsout0: Tensor, dtot: Tensor, chunk: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Add the later ranks' gradient of this piece's final state: from ``dsout0`` (b, nc, h, p, n),
-    the gradients of the states leaving its chunks given its own final-state gradient (fp32, so
-    that they are rounded once), the gradients given that plus dF_ext in ``dtype``, and ``dtot``
-    (b*h, nc, parts) with the total-decay gradient parts this adds appended.  ``every`` (W, b,
-    >= h*p*n) fp32: every rank's incoming-state gradient in rank order; ``totals`` (W, b, h) fp32
-    every rank's total log-decay; ``sin`` the states entering the chunks (from S_in); ``cs`` as
-    for ``fold_incoming_state``."""
+def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin: Tensor, dtot: Tensor,
+                      chunk: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The later ranks' gradient of this piece's final state, dF_ext: (dF_ext (b, h, p, n) in
+    ``dtype``, the weights exp(tot_{c+1} + ... + tot_{nc-1}) (b, h, nc) fp32 with which it adds to
+    the gradient of the state leaving chunk c, and ``dtot`` (b*h, nc, parts) with the total-decay
+    gradient parts it adds appended).  ``every`` (W, b, >= h*p*n) fp32: every rank's
+    incoming-state gradient in rank order; ``totals`` (W, b, h) fp32 every rank's total
+    log-decay; ``sin`` (b, nc, h, p, n) the states entering the chunks (from S_in); ``cs`` as for
+    ``incoming_state``."""
     world = every.shape[0]
-    b, nc, h = dsout0.shape[0], dsout0.shape[1], dsout0.shape[2]
-    pn = dsout0[0, 0, 0].numel()
-    dsout = torch.empty(dsout0.shape, device=dsout0.device, dtype=dtype)
+    b, nc, h = sin.shape[0], sin.shape[1], sin.shape[2]
+    pn = sin[0, 0, 0].numel()
+    gs = torch.empty(b, h, *sin.shape[3:], device=sin.device, dtype=dtype)
+    fw = torch.empty(b, h, nc, device=sin.device, dtype=torch.float32)
     if every.stride(-1) != 1:
         every = every.contiguous()
     block = 256 if interpreting() else 1024
     tiles = triton.cdiv(pn, block)
-    parts = torch.empty(b * h, nc, tiles, device=dsout.device, dtype=torch.float32)
-    _fold_outgoing[(tiles, b * h)](every, totals.to(torch.float32).contiguous(), cs, sin, dsout0, dsout, parts,
-                                   rank, world, nc, h, pn, every.stride(0), every.stride(1), Q=chunk,
-                                   BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
-    return dsout, torch.cat([dtot, parts], dim=-1)
+    parts = torch.empty(b * h, nc, tiles, device=sin.device, dtype=torch.float32)
+    _outgoing[(tiles, b * h)](every, totals.to(torch.float32).contiguous(), cs, sin, gs, fw, parts,
+                              rank, world, nc, h, pn, every.stride(0), every.stride(1), Q=chunk,
+                              BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
+    return gs, fw, torch.cat([dtot, parts], dim=-1)

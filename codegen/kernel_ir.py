@@ -63,9 +63,6 @@ class SSDRegion:
     # "upcast": half operands are cast to fp32 first (the Triton interpreter multiplies bf16
     # bit patterns as integers, so interpreted half kernels need it; results match fp32 accumulate)
     dot_precision: str = "auto"
-    # the states entering each chunk (forward) and their gradients (backward) stored in fp32, not
-    # the io dtype: context parallelism folds the incoming state into them before they are rounded
-    fp32_states: bool = False
 
     def __post_init__(self) -> None:
         if self.d_mode not in D_MODES:
@@ -86,11 +83,6 @@ class SSDRegion:
         return IO_DTYPES[self.io_dtype][0]
 
     @property
-    def torch_states(self) -> torch.dtype:
-        """The dtype of the per-chunk states and their gradients in memory."""
-        return torch.float32 if self.fp32_states else self.torch_io
-
-    @property
     def chunk_pow2(self) -> int:
         """The chunk rounded up to a power of two (Triton ranges need one)."""
         return pow2(self.chunk_size)
@@ -106,7 +98,7 @@ class SSDRegion:
         """A one-line description for headers of generated files and for error messages."""
         flags = [f for f, on in (("dt_bias", self.has_dt_bias), ("softplus", self.dt_softplus),
                                  ("clamp", self.dt_clamp), ("z", self.has_z),
-                                 ("init", self.has_initial_state), ("fp32_states", self.fp32_states)) if on]
+                                 ("init", self.has_initial_state)) if on]
         return (f"ssd chunk={self.chunk_size} io={self.io_dtype} D={self.d_mode} "
                 f"flags=[{','.join(flags)}] dot={self.dot_precision}")
 

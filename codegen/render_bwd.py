@@ -17,7 +17,7 @@ and the chunk's last position also receives sum_s v_s and the passing term from 
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import dt_args, emit_softplus, header, to_io, to_states
+from mambac.codegen.render_common import dt_args, emit_softplus, header, to_io
 from mambac.codegen.writer import Writer
 
 
@@ -38,7 +38,7 @@ def render_state_pass_bwd(r: SSDRegion) -> str:
             w.line("c = NC - 1 - cc")
             w.line("idx = ((bi64 * NC + c) * H + h) * PN")
             w.comment("ds is the gradient of the state that leaves chunk c")
-            w.line(f"tl.store(dsout_ptr + idx + offs, {to_states(r, 'ds')}, mask=m)")
+            w.line(f"tl.store(dsout_ptr + idx + offs, {to_io(r, 'ds')}, mask=m)")
             w.line(f"dec = tl.exp(tl.load(cs_ptr + (bh64 * NC + c) * {q} + {q - 1}))")
             w.line("s_in = tl.load(sin_ptr + idx + offs, mask=m, other=0.0).to(tl.float32)")
             w.line("tl.store(dtot_ptr + (bh64 * NC + c) * ntiles + pid, dec * tl.sum(s_in * ds, 0))")

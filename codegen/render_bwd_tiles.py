@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_fwd import cb_tile
-from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, emit_descriptor_rows,
-                                          emit_dims, emit_positions, header, seq_tile, state_tile, to_io)
+from mambac.codegen.render_common import (FOLD_ARGS, NEG, dense_store, dense_tile, dot, emit_descriptor_rows,
+                                          emit_dims, emit_positions, fold_state, header, seq_tile, state_tile,
+                                          to_io)
 from mambac.codegen.writer import Writer
 
 
-def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False) -> str:
+def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False, fold: bool = False) -> str:
     """dx, the direct dt gradient x.acc and the dD parts, ``heads`` heads per program; B_s.C_t
     comes from ``cb_ptr``, the transposed product of ``ssd_chunk_cb_both``, read along its rows
     (reading C B^T across, as it did before, took 305 us at S1 instead of 293).
@@ -37,17 +38,19 @@ def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False) -> str:
     ``tma``: B, dS, B C^T and the targets' dy come through tensor descriptors (``bd`` over B as
     (batch*seqlen, groups*dstate), ``dsd`` over dS as (batch*chunks*heads*headdim, dstate),
     ``cbd`` over B C^T as (batch*chunks*groups*chunk, chunk), ``dyd`` over dy as
-    (batch*seqlen, heads*headdim)); only for EVEN launches."""
+    (batch*seqlen, heads*headdim)); only for EVEN launches.  ``fold`` (context parallelism,
+    ``ssd_dx_fold``): dS comes with the later ranks' part added on load (``fold_state``)."""
     q, io = r.chunk_size, r.tl_io
+    name = "ssd_dx" + ("_fold" if fold else "")
     w = Writer()
-    header(w, "ssd_dx", r, f"Backward for x (and dt, D) with {heads} head(s) per program.")
+    header(w, name, r, f"Backward for x (and dt, D) with {heads} head(s) per program.")
     args = ["x_ptr", "b_ptr", "cb_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
-    args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr", "ddtd_ptr", "L", "H", "HPG", "NC", "P", "N",
+    args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr"] + (FOLD_ARGS if fold else []) + ["ddtd_ptr", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "sbb", "sbl", "sbg"] + (["bd", "dsd", "cbd", "dyd"] if tma else [])
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "EVEN: tl.constexpr"]
     w.line("@triton.jit")
-    with w.block(f"def ssd_dx({', '.join(args)}):"):
+    with w.block(f"def {name}({', '.join(args)}):"):
         w.lines("pid_m = tl.program_id(0)", "pid_c = tl.program_id(1)", "pid_bh = tl.program_id(2)",
                 "nm = tl.num_programs(0)", f"bi = pid_bh // (H // {heads})",
                 f"h0 = (pid_bh % (H // {heads})) * {heads}", "g = h0 // HPG", "bi64 = bi.to(tl.int64)")
@@ -74,6 +77,8 @@ def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False) -> str:
                 w.line(f"ds = tl.trans(dsd.load([((bi * NC + pid_c) * H + {h}) * P, 0]))")
             else:
                 w.line("ds = " + state_tile("dsout_ptr", f"(bi64 * NC + pid_c) * H + {h}", True))
+            if fold:
+                w.line("ds = " + fold_state(r, "ds", f"bi64 * H + {h}", "pid_c", True))
             w.line(f"acc_{j} = {dot(r, 'b_s', f'ds.to({io})')} * tl.exp(cend - cs_r_{j})")
         w.comment("intra-chunk path: targets t >= s, first the tiles past r")
         with w.block(f"for k0 in range(dend, {q}, BK):"):
@@ -132,23 +137,26 @@ def _dx_epilogue(w: Writer, r: SSDRegion, j: int) -> None:
     w.line(dense_store("dx_ptr", "pos_s", h, "v_s", to_io(r, "dx")))
 
 
-def render_dbc(r: SSDRegion, which: str, tma: bool = False) -> str:
+def render_dbc(r: SSDRegion, which: str, tma: bool = False, fold: bool = False) -> str:
     """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows).
 
     ``tma``: every tile through a tensor descriptor (EVEN launches only): ``ownd`` and ``otherd``
     over this side's and the other side's of B / C as (batch*seqlen, groups*dstate), ``hd`` over
     dy (dc) or x (db) as (batch*seqlen, heads*headdim), ``sd`` over the states (S_in for dc, dS
     for db) as (batch*chunks*heads*headdim, dstate), ``dcbd`` over the dCB parts as
-    (splits*batch*chunks*groups*chunk, chunk)."""
+    (splits*batch*chunks*groups*chunk, chunk).  ``fold`` (db only, context parallelism,
+    ``ssd_db_fold``): dS comes with the later ranks' part added on load (``fold_state``)."""
     if which not in ("b", "c"):
         raise ValueError("which must be 'b' or 'c'")
+    if fold and which != "b":
+        raise ValueError("only db takes a fold")
     q = r.chunk_size
-    name, own, other = f"ssd_d{which}", which, ("b" if which == "c" else "c")
+    name, own, other = f"ssd_d{which}" + ("_fold" if fold else ""), which, ("b" if which == "c" else "c")
     w = Writer()
     header(w, name, r, f"Backward for {which.upper()} per group (the state path summed over a split's "
            "heads, the pair path from ssd_dcb), and the state path's cumsum-gradient piece.")
     args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr", "dtp_ptr", "cs_ptr",
-            "sin_ptr" if which == "c" else "dsout_ptr", "dcb_ptr", "out_ptr",
+            "sin_ptr" if which == "c" else "dsout_ptr"] + (FOLD_ARGS if fold else []) + ["dcb_ptr", "out_ptr",
             "es_ptr" if which == "c" else "v_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
             "HS", "NS", "DS", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg"]
     args += ["ownd", "hd", "sd", "otherd", "dcbd"] if tma else []
@@ -175,7 +183,7 @@ def render_dbc(r: SSDRegion, which: str, tma: bool = False) -> str:
             if which == "c":
                 _dc_state_path(w, r, tma)
             else:
-                _db_state_path(w, r, tma)
+                _db_state_path(w, r, tma, fold)
         _dbc_pairs(w, r, which, other, tma)
         w.line(f"out = out_ptr + ((bi64 * L + pos_{rows}[:, None]) * HS + hs) * G * N + g * N"
                " + offs_n[None, :]")
@@ -200,13 +208,15 @@ def _dc_state_path(w: Writer, r: SSDRegion, tma: bool = False) -> None:
     w.line("tl.store(es_ptr + row + t, tl.sum(e * c_r.to(tl.float32), 1), mask=in_t)")
 
 
-def _db_state_path(w: Writer, r: SSDRegion, tma: bool = False) -> None:
+def _db_state_path(w: Writer, r: SSDRegion, tma: bool = False, fold: bool = False) -> None:
     q = r.chunk_size
     w.comment("path through the state leaving the chunk; v = dt'_s exp(cs_end - cs_s) x_s.(dS B_s)")
     w.line("dt_r = tl.load(dtp_ptr + row + s, mask=in_s, other=0.0)")
     w.line(f"cend = tl.load(cs_ptr + row + {q - 1})")
     _state_row_tiles(w, "x_s", seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p",
                                         "v_s", "m_p"), "dsout_ptr", tma)
+    if fold:
+        w.line("st = " + fold_state(r, "st", "bi64 * H + hh", "pid_c", False))
     w.line(f"f = {dot(r, 'x_s', f'st.to({r.tl_io})')} * (dt_r * tl.exp(cend - cs_r))[:, None]")
     w.line("acc += f")
     w.line("tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=in_s)")

@@ -72,9 +72,20 @@ def to_io(r: SSDRegion, expr: str) -> str:
     return f"{expr if expr.isidentifier() else f'({expr})'}.to({r.tl_io})"
 
 
-def to_states(r: SSDRegion, expr: str) -> str:
-    """Text storing an fp32 per-chunk state (or state gradient) ``expr`` in the states' dtype."""
-    return expr if r.fp32_states else to_io(r, expr)
+# Context parallelism's fold (``runtime/cp_ssd_fused``): the per-chunk states a piece computes from a
+# zero start (and, in the backward, the state gradients it computes from its own final-state
+# gradient) are linear in what the other ranks send, one (headdim x dstate) tile per (batch, head).
+# A kernel that takes a fold reads state (b, c, h) as  S + fw[b, h, c] * fs[b, h]  (fw: (b, h, nc)
+# fp32 weights, fs: (b, h, p, n) in the io dtype), so the folded states are never written apart.
+FOLD_ARGS = ["fs_ptr", "fw_ptr"]
+
+
+def fold_state(r: SSDRegion, tile: str, bh: str, chunk: str, transpose: bool) -> str:
+    """Text of the state tile ``tile`` with the fold added: ``bh`` the flat (batch, head) index,
+    ``chunk`` the chunk, ``transpose`` as for ``state_tile``; summed in fp32, rounded to the io
+    dtype once."""
+    weight = f"tl.load(fw_ptr + ({bh}) * NC + {chunk})"
+    return to_io(r, f"{tile}.to(tl.float32) + {weight} * {state_tile('fs_ptr', bh, transpose)}.to(tl.float32)")
 
 
 def dt_args(region: SSDRegion) -> list[str]:

@@ -19,13 +19,13 @@ load whole tiles.  ``ssd_chunk_state`` in mode "dstate" is the backward's  sum_t
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import (NEG, dense_store, dense_tile, dot, dt_args, dt_call,
+from mambac.codegen.render_common import (FOLD_ARGS, NEG, dense_store, dense_tile, dot, dt_args, dt_call,
                                           emit_descriptor_rows, emit_dims, emit_dt_helpers,
-                                          emit_positions, header, inside,
-                                          load_bias, seq_tile, state_tile, to_io, to_states)
+                                          emit_positions, fold_state, header, inside,
+                                          load_bias, seq_tile, state_tile, to_io)
 from mambac.codegen.writer import Writer
 
 CHUNK_STATE_MODES = ("forward", "dstate")
@@ -163,7 +163,7 @@ def render_state_pass(r: SSDRegion) -> str:
             w.line("s = tl.zeros((BLK,), dtype=tl.float32)")
         with w.block("for c in range(0, NC):"):
             w.line("idx = ((bi64 * NC + c) * H + h) * PN")
-            w.line(f"tl.store(sin_ptr + idx + offs, {to_states(r, 's')}, mask=m)")
+            w.line(f"tl.store(sin_ptr + idx + offs, {to_io(r, 's')}, mask=m)")
             w.line(f"tot = tl.load(cs_ptr + (bh64 * NC + c) * {q} + {q - 1})")
             w.line("st = tl.load(states_ptr + idx + offs, mask=m, other=0.0)")
             w.line("s = s * tl.exp(tot) + st")
@@ -217,12 +217,17 @@ def cb_tile(q: int, rows: str, cols: str, inside: str) -> str:
     return f"tl.load(cb_ptr + cb_base + {rows} * {q} + {cols}, mask={inside}, other=0.0)"
 
 
-def chunk_scan_name(mode: str) -> str:
-    return "ssd_chunk_scan" if mode == "forward" else "ssd_gate_backward"
+def chunk_scan_name(mode: str, fold: bool = False) -> str:
+    return ("ssd_chunk_scan" + ("_fold" if fold else "")) if mode == "forward" else "ssd_gate_backward"
 
 
-def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: bool = False) -> str:
+def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: bool = False,
+                      fold: bool = False) -> str:
     """Kernel 3 (forward output), or the backward's gate step (mode "gate_backward").
+
+    ``fold`` (forward only; context parallelism): the states come from a zero start and the kernel
+    adds the incoming state's part as it loads them (``render_common.fold_state``), and the first
+    row tile of each (chunk, head) stores the folded state in ``so_ptr`` for the backward.
 
     ``tma``: the tiles of C, of the incoming states, of C B^T and of the partners' x come through
     tensor descriptors (``xd`` over x as (batch*seqlen, heads*headdim), ``cd`` over C as
@@ -234,7 +239,9 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
         raise ValueError(f"mode must be one of {CHUNK_SCAN_MODES}")
     if mode == "gate_backward" and not r.has_z:
         raise ValueError("the gate backward kernel exists only for regions with z")
-    name, q = chunk_scan_name(mode), r.chunk_size
+    if fold and mode != "forward":
+        raise ValueError("only the forward chunk scan takes a fold")
+    name, q = chunk_scan_name(mode, fold), r.chunk_size
     w = Writer()
     header(w, name, r, f"Chunk output for {heads} head(s) per program"
            + (": y = C S_in + masked (C B^T) x, D skip, z gate." if mode == "forward"
@@ -242,7 +249,8 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
     args = ["x_ptr", "cb_ptr", "c_ptr"] + (["z_ptr"] if r.has_z else [])
     args += ["d_ptr"] if r.d_mode != "none" else []
     args += ["y_ptr"] if mode == "forward" else ["dyo_ptr", "dz_ptr", "dy_ptr"]
-    args += ["dtp_ptr", "cs_ptr", "sin_ptr", "C_LO", "L", "H", "HPG", "NC", "P", "N",
+    args += ["dtp_ptr", "cs_ptr", "sin_ptr"] + (FOLD_ARGS + ["so_ptr"] if fold else [])
+    args += ["C_LO", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
     args += ["xd", "cd", "sd", "cbd"] + (["yd"] if mode == "forward" else []) if tma else []
@@ -262,20 +270,28 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
 
         def state(j: int) -> str:
             if tma:
-                return f"tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + {j}) * P, 0]))"
-            return state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True)
-        emit_scan_rows(w, r, heads, "pid_m * BM", mode, state, even=True, tma=tma)
+                tile = f"tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + {j}) * P, 0]))"
+            else:
+                tile = state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True)
+            return fold_state(r, tile, f"bi64 * H + h0 + {j}", "pid_c", True) if fold else tile
+
+        def keep(j: int) -> None:
+            with w.block("if pid_m == 0:"):
+                w.line(f"tl.store(so_ptr + ((bi64 * NC + pid_c) * H + h0 + {j}) * P * N + offs_p[None, :] * N"
+                       f" + offs_n[:, None], st_{j}, mask=m_n[:, None] & m_p[None, :])")
+        emit_scan_rows(w, r, heads, "pid_m * BM", mode, state, even=True, tma=tma, keep=keep if fold else None)
     return w.source()
 
 
 def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
-                   state: Callable[[int], str], even: bool = False, tma: bool = False) -> None:
+                   state: Callable[[int], str], even: bool = False, tma: bool = False,
+                   keep: Optional[Callable[[int], None]] = None) -> None:
     """One row tile of the chunk scan (rows ``start`` .. ``start`` + BM) for ``heads`` heads of one
     group, through the epilogue; ``state(j)`` is the text of head j's incoming state as a
     (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` (with ``tma``: ``seq0`` and
     ``cb_row``) and the dims' offsets; ``even``: the bounds masks take the kernel's EVEN constexpr
     (``render_common.emit_positions``); ``tma``: C, C B^T and x through the descriptors of
-    ``render_chunk_scan``."""
+    ``render_chunk_scan``; ``keep(j)`` emits what follows head j's state tile ``st_j``."""
     q = r.chunk_size
     emit_positions(w, "t", start, "BM", q, even)
     if tma:
@@ -303,6 +319,8 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
         with w.block("if BK == BM:"):
             w.line(f"dt_d_{j} = tl.load(dtp_ptr + row_{j} + t, mask={inside('t', q, even)}, other=0.0)")
         w.line(f"st_{j} = {state(j)}")
+        if keep is not None:
+            keep(j)
         w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}')} * tl.exp(cs_r_{j})")
     w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
     with w.block("for k0 in range(0, off, BK):"):

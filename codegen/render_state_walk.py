@@ -35,8 +35,7 @@ the per-chunk ``dy^T C`` reductions and the reverse state passing (``ssd_chunk_d
 from __future__ import annotations
 
 from mambac.codegen.kernel_ir import SSDRegion
-from mambac.codegen.render_common import (dot, dt_args, dt_call, emit_dt_helpers, header, load_bias, to_io,
-                                          to_states)
+from mambac.codegen.render_common import (dot, dt_args, dt_call, emit_dt_helpers, header, load_bias, to_io)
 from mambac.codegen.writer import Writer
 
 NAME = "ssd_state_walk"
@@ -102,7 +101,7 @@ def render_state_walk(r: SSDRegion) -> str:
             w.line("d_next = tl.load(dt_ptr + bi64 * sdb + (ahead + k_in) * sdl + h * sdh).to(tl.float32)")
             w.comment("a chunk's first block: store the state entering the chunk, restart the cumsum")
             w.line("first = (offs_n * 0 + k0) == 0")
-            w.line(f"tl.store(sin_ptr + sin_at + (k // {q}) * H * P * N, {to_states(r, 'acc')}, "
+            w.line(f"tl.store(sin_ptr + sin_at + (k // {q}) * H * P * N, {to_io(r, 'acc')}, "
                    "mask=(offs_p >= 0)[:, None] & first[None, :])")
             w.line("run = tl.where(k0 == 0, 0.0, run)")
             w.line(f"d = {dt_call(r, 'd')}")
@@ -141,7 +140,7 @@ def render_state_walk_bwd(r: SSDRegion) -> str:
             w.comment("a chunk's last block: G is the gradient of the state leaving the chunk")
             w.line(f"at_end = (offs_n * 0 + k0) == {q} - BT")
             w.line("m_end = (offs_p >= 0)[:, None] & at_end[None, :]")
-            w.line(f"tl.store(dsout_ptr + sin_at + c * H * P * N, {to_states(r, 'acc')}, mask=m_end)")
+            w.line(f"tl.store(dsout_ptr + sin_at + c * H * P * N, {to_io(r, 'acc')}, mask=m_end)")
             w.line("s_in = tl.load(sin_ptr + sin_at + c * H * P * N, mask=m_end, other=0.0).to(tl.float32)")
             w.line("part = tl.exp(end) * tl.sum(tl.sum(s_in * acc, 1), 0)")
             w.line("tl.store(dtot_ptr + (bh64 * NC + c) * ntiles + pid_t + k_in * 0, part + k_in * 0.0, "

@@ -38,6 +38,9 @@ STATE_PASS = Family("ssd_state_pass", lambda r, c: render_fwd.render_state_pass(
 CHUNK_SCAN = Family("ssd_chunk_scan",
                     lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward", c.tma),
                     chunk_scan_candidates)
+CHUNK_SCAN_FOLD = Family(render_fwd.chunk_scan_name("forward", True),
+                         lambda r, c: render_fwd.render_chunk_scan(r, c.heads, "forward", c.tma, fold=True),
+                         chunk_scan_candidates)
 FUSED = Family(render_fused.NAME, lambda r, c: render_fused.render_fused_forward(r), fused_candidates)
 STATE_WALK = Family(render_state_walk.NAME, lambda r, c: render_state_walk.render_state_walk(r), walk_candidates)
 FORWARD_PATHS = ("walk", "three", "fused")
@@ -201,7 +204,7 @@ def with_cb(pr: Prepared, saved: "SSDSaved") -> "SSDSaved":
 def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Tensor]:
     """Kernel 2: the state entering each chunk (io dtype) and the final state (fp32)."""
     d, r = pr.dims, pr.region
-    sin = torch.empty(states.shape, device=states.device, dtype=r.torch_states)
+    sin = torch.empty(states.shape, device=states.device, dtype=r.torch_io)
     final = torch.empty(d.b, d.h, d.p, d.n, device=states.device, dtype=torch.float32)
     init = [pr.init] if r.has_initial_state else []
 
@@ -219,7 +222,7 @@ def walk_buffers(pr: Prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     (fp32), dt' and the dA cumsum."""
     d, r = pr.dims, pr.region
     dtp, cs = dt_buffers(pr)
-    sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=pr.x.device, dtype=r.torch_states)
+    sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=pr.x.device, dtype=r.torch_io)
     final = torch.empty(d.b, d.h, d.p, d.n, device=pr.x.device, dtype=torch.float32)
     return sin, final, dtp, cs
 
@@ -313,13 +316,17 @@ def scan_args(pr: Prepared) -> list:
 
 
 def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tensor,
-                   y: Optional[Tensor] = None, lo: int = 0, hi: Optional[int] = None) -> Tensor:
+                   y: Optional[Tensor] = None, lo: int = 0, hi: Optional[int] = None,
+                   fold: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
     """Kernel 3: y for chunks ``lo`` .. ``hi`` (default: all; into ``y`` when given), with the D
-    skip and z gate fused."""
+    skip and z gate fused.  ``fold`` (context parallelism): (fs, fw, out), the incoming state's
+    part added to the zero-start states ``sin`` as they load (``render_common.fold_state``); the
+    folded states are stored in ``out``."""
     d, r = pr.dims, pr.region
     y = dense_out(pr, pr.x.dtype) if y is None else y
     hi = d.nc if hi is None else hi
     head = [pr.x, cb, pr.C] + ([pr.z] if r.has_z else []) + ([pr.D] if pr.D is not None else [])
+    folds = list(fold) if fold is not None else []
 
     def launch(kern, cfg: TileConfig) -> None:
         even = even_tiles(d, cfg.block_m, cfg.block_k)
@@ -327,10 +334,10 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
             (pr.x, 2, (cfg.block_k, d.p)), (pr.C, 2, (cfg.block_m, d.n)), (sin, 4, (d.p, d.n)),
             (cb, 4, (cfg.block_m, cfg.block_k)), (y, 2, (cfg.block_m, d.p))])
         kern.launch((cdiv(d.q, cfg.block_m), hi - lo, d.b * d.h // cfg.heads),
-                    head + [y, dtp, cs, sin, lo] + scan_args(pr) + descs,
+                    head + [y, dtp, cs, sin] + folds + [lo] + scan_args(pr) + descs,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
 
-    run_family(CHUNK_SCAN, r, d, launch)
+    run_family(CHUNK_SCAN if fold is None else CHUNK_SCAN_FOLD, r, d, launch)
     return y
 
 

@@ -55,8 +55,12 @@ GATE_BWD = Family("ssd_gate_backward",
 DX = Family("ssd_dx", lambda r, c: render_bwd_tiles.render_dx(r, c.heads, c.tma), dx_candidates)
 DCB = Family(render_bwd_pairs.NAME, lambda r, c: render_bwd_pairs.render_dcb(r, c.heads, c.tma),
              dcb_candidates)
+DX_FOLD = Family("ssd_dx_fold", lambda r, c: render_bwd_tiles.render_dx(r, c.heads, c.tma, fold=True),
+                 dx_candidates)
 DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c", c.tma), dc_candidates)
 DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b", c.tma), group_candidates)
+DB_FOLD = Family("ssd_db_fold", lambda r, c: render_bwd_tiles.render_dbc(r, "b", c.tma, fold=True),
+                 group_candidates)
 DT_BWD = Family("ssd_dt_backward", lambda r, c: render_bwd.render_dt_backward(r, c.heads),
                 dt_backward_candidates)
 
@@ -95,7 +99,7 @@ def run_dstate(pr: Prepared, dy: Tensor, cs: Tensor) -> Tensor:
 def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tensor):
     """(dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts)."""
     d = pr.dims
-    dsout = torch.empty(dst.shape, device=dst.device, dtype=pr.region.torch_states)
+    dsout = torch.empty(dst.shape, device=dst.device, dtype=pr.region.torch_io)
     dinit = torch.empty(d.b, d.h, d.p, d.n, device=dst.device, dtype=torch.float32)
 
     def launch(kern, cfg: TileConfig) -> Tensor:
@@ -114,7 +118,7 @@ def run_state_walk_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor
     """``run_dstate`` + ``run_state_pass_bwd`` as one reverse walk (``render_state_walk``): the
     same (dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts)."""
     d = pr.dims
-    dsout = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dy.device, dtype=pr.region.torch_states)
+    dsout = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dy.device, dtype=pr.region.torch_io)
     dinit = torch.empty(d.b, d.h, d.p, d.n, device=dy.device, dtype=torch.float32)
 
     def launch(kern, cfg: TileConfig) -> Tensor:
@@ -139,8 +143,9 @@ def run_states_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor):
     return run_state_pass_bwd(pr, run_dstate(pr, dy, saved.cs), saved, dfinal)
 
 
-def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
-    """(dx, the direct part of ddt, dD parts or None)."""
+def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor, fold: Optional[tuple] = None):
+    """(dx, the direct part of ddt, dD parts or None); ``fold`` (context parallelism): (fs, fw),
+    added to ``dsout`` as it loads (``render_common.fold_state``)."""
     d, r = pr.dims, pr.region
     dx = dense_out(pr, pr.x.dtype)
     ddtd = torch.empty_like(saved.cs)
@@ -150,7 +155,7 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
         dshape = (d.b, d.nc, nm, d.h) + ((d.p,) if r.d_mode == "head_dim" else ())
         dd = torch.empty(dshape, device=dy.device, dtype=torch.float32) if pr.D is not None else None
         args = [pr.x, pr.B, saved.cbt, dy] + ([pr.D, dd] if pr.D is not None else [])
-        args += [dx, saved.dtp, saved.cs, dsout, ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
+        args += [dx, saved.dtp, saved.cs, dsout] + list(fold or ()) + [ddtd, d.l, d.h, d.hpg, d.nc, d.p, d.n]
         args += strides3(pr.x) + strides3(pr.B)
         even = even_tiles(d, cfg.block_m, cfg.block_k)
         args += tma.launch_descriptors(cfg, even, "dx", [
@@ -160,7 +165,7 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor):
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return dd
 
-    dd = run_family(DX, r, d, launch)
+    dd = run_family(DX if fold is None else DX_FOLD, r, d, launch)
     return dx, ddtd, dd
 
 
@@ -196,17 +201,18 @@ def stored_dtype(pr: Prepared, dtype: torch.dtype) -> torch.dtype:
 
 
 def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor, dcb: Tensor,
-            dtype: torch.dtype = torch.float32):
+            dtype: torch.dtype = torch.float32, fold: Optional[tuple] = None):
     """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving) in ``dtype``, and
     the state path's per-head cumsum-gradient piece (es or v).  Unsplit, the kernel stores in
-    ``dtype`` itself (no conversion launch); split parts are fp32, summed, then converted."""
+    ``dtype`` itself (no conversion launch); split parts are fp32, summed, then converted.
+    ``fold`` (dB only): as for ``run_dx``."""
     d = pr.dims
     side = torch.empty_like(saved.cs)
 
     def launch(kern, cfg: TileConfig):
         out = torch.empty(d.b, d.l, cfg.splits, d.g, d.n, device=dy.device,
                           dtype=stored_dtype(pr, dtype) if cfg.splits == 1 else torch.float32)
-        args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state, dcb, out, side, d.l, d.h,
+        args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state] + list(fold or ()) + [dcb, out, side, d.l, d.h,
                 d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, dcb.shape[0], dcb[0].numel()]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         even = even_tiles(d, cfg.block_m, cfg.block_k)
@@ -219,7 +225,8 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
                     dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return out
 
-    out = run_family(DC if which == "c" else DB, pr.region, d, launch)
+    fam = DC if which == "c" else DB if fold is None else DB_FOLD
+    out = run_family(fam, pr.region, d, launch)
     return (out[:, :, 0] if out.shape[2] == 1 else out.sum(2)).to(dtype), side
 
 
@@ -303,20 +310,22 @@ def start_pair_chain(pr: Prepared, saved: SSDSaved, dyv: Tensor, c_dtype: torch.
 
 def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Tensor, dtot: Tensor,
                            bc_dtypes: tuple[torch.dtype, torch.dtype],
-                           pairs: Optional[PairChain] = None) -> tuple[Optional[Tensor], ...]:
+                           pairs: Optional[PairChain] = None,
+                           fold: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Optional[Tensor], ...]:
     """The launches after the reverse state passing, given the gated dy, the gradient of the state
     leaving each chunk and the chunks' total-decay gradient parts: (dx, ddt, dA, dB, dC, dD,
     ddt_bias), dx in x's dtype, ddt in dt's, dB and dC in ``bc_dtypes`` (B's and C's), the others
     fp32, None where the region has no D / dt_bias.
     A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``;
-    ``pairs`` is the pair chain when the caller started it earlier (else it starts here, beside dx)."""
+    ``pairs`` is the pair chain when the caller started it earlier (else it starts here, beside dx);
+    ``fold``: (fs, fw), a part dx and dB add to ``dsout`` as they load it (``run_dx``)."""
     d = pr.dims
     saved = with_cb(pr, saved)
     if pairs is None:
         pairs = start_pair_chain(pr, saved, dyv, bc_dtypes[1])
-    dx, ddtd, dd = run_dx(pr, dyv, saved, dsout)
+    dx, ddtd, dd = run_dx(pr, dyv, saved, dsout, fold)
     pairs.branch.join()
-    dB, v = run_dbc(pr, "b", dyv, saved, dsout, pairs.dcb, bc_dtypes[0])
+    dB, v = run_dbc(pr, "b", dyv, saved, dsout, pairs.dcb, bc_dtypes[0], fold)
     ddt, da, dbias = run_dt_backward(pr, saved, ddtd, pairs.es, v, pairs.pairs, dtot)
     dA = da.view(d.b, d.h, d.nc).sum((0, 2))
     dD = None if pr.D is None else dd.sum((0, 1, 2))

@@ -5,14 +5,14 @@ Notation, per (batch, head), for a piece of ``nc`` chunks: ``st_c`` the state ch
 its own inputs, ``tot_c`` its total log-decay (the last entry of its dA cumsum; padded steps add
 nothing, so a short last chunk is handled), ``T = sum_c tot_c``, ``P_c = sum_{c'<c} tot_c'``.
 
-Forward (the plain SSD's launches, plus one fold on ranks > 0):
+Forward (the plain SSD's launches, plus one small launch on ranks > 0):
 
     sin0_c, F_local = the states from zero (the walk, or chunk states + state pass, as the plain
                       SSD takes them): this rank's summary is (F_local, T)
     S_in    = exclusive prefix combine of every rank's (F_local, T)   (after the all-gather)
-    sin_c   = sin0_c + exp(P_c) S_in,  F = F_local + exp(T) S_in      (``fold_incoming_state``:
-              one launch forms S_in and writes the states; sin0 is kept in fp32 until then)
-    y       = chunk scan with sin_c (D skip, z gate fused)
+              (``incoming_state``: S_in, the weights exp(P_c) and F = F_local + exp(T) S_in)
+    y       = chunk scan with sin_c = sin0_c + exp(P_c) S_in, formed as it loads each state, which
+              it also stores for the backward (the chunk scan's fold form); D skip, z gate fused
 
 Backward, given (dy, dF).  Later ranks read this rank's (F_local, T) only through
 ``F_local + exp(T) S_in``, which is F, the final state from S_in: the gradient they send back,
@@ -29,19 +29,19 @@ accounted for by their own weights on F_local):
 2. All-gather every rank's dS_in; dF_ext(k) = sum_{r>k} exp(T_{k+1} + ... + T_{r-1}) dS_in(r).
    The pass is linear in dfinal, so adding dF_ext adds exp(tot_{c+1} + ... + tot_{nc-1}) dF_ext
    to the gradient of chunk c's leaving state and exp(tot_c) <sin_c, that> to its total-decay
-   gradient (``fold_outgoing_gradient``: one launch; the step-1 gradients are kept in fp32
-   until then).  The last rank has no later
-   ranks: dF_ext = 0 and step 1 is the answer.
-3. dx, dC (with the true sin), dB and the dt backward as in the plain SSD.
+   gradient (``outgoing_gradient``: one launch forms dF_ext, the weights and the decay-gradient
+   parts).  The last rank has no later ranks: dF_ext = 0 and step 1 is the answer.
+3. dx, dC (with the true sin), dB and the dt backward as in the plain SSD, dx and dB adding
+   the weighted dF_ext to each leaving-state gradient as they load it (their fold forms).
 
-Extra work over the local scan: the two folds (each reads the per-chunk states once in fp32 and
-writes them once in the io dtype, b·nc·h·p·n values), the summary packing, and the two
-all-gathers.  The exchange
-saves only the ranks' total decays (W, b, h) for the backward.
+Extra work over the local scan: the two small launches (the forward's reads the earlier ranks'
+final states, the backward's the later ranks' state gradients and the per-chunk states once), the
+folds inside the chunk scan, dx and dB (one more (headdim x dstate) tile per program, the same for
+every chunk of a head), the store of the folded states, the summary packing and the two
+all-gathers.  The exchange saves only the ranks' total decays (W, b, h) for the backward.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -72,30 +72,24 @@ def chunk_totals(pr: Prepared, cs: Tensor) -> Tensor:
     return cs.view(d.b, d.h, d.nc, d.q)[..., d.q - 1]
 
 
-def states_in_fp32(pr: Prepared) -> Prepared:
-    """The same region with its per-chunk states (and their gradients) kept in fp32 until a fold
-    rounds them (a no-op for fp32 io)."""
-    if pr.region.torch_io == torch.float32:
-        return pr
-    return dataclasses.replace(pr, region=dataclasses.replace(pr.region, fp32_states=True))
-
-
 def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
     """Forward launches around the gather: (y, final, SSDSaved, every rank's total decay (W, b, h))
     (SSDSaved the tensors the backward reuses, its sin the states entering each chunk from S_in)."""
-    from mambac.codegen.cp_combine_kernels import fold_incoming_state
+    from mambac.codegen.cp_combine_kernels import incoming_state
     d = pr.dims
     branch = Branch(pr.x.device)       # C B^T beside the states, as in the plain forward
     with branch.run():
         cb = run_chunk_cb(pr, dtype=scan_cb_dtype(pr))
-    folds = exchange.rank > 0          # rank 0: nothing comes in, the zero-start states are the answer
-    sin, final, dtp, cs = run_states(states_in_fp32(pr) if folds else pr, forward_path(pr))
+    sin0, final, dtp, cs = run_states(pr, forward_path(pr))
     gathered = exchange.gather(pack_summaries(final, chunk_totals(pr, cs).sum(-1)))
     totals = gathered[..., -d.h:].contiguous()
-    if folds:
-        sin, final = fold_incoming_state(gathered, exchange.rank, cs, sin, final, d.q, pr.region.torch_io)
+    sin, fold = sin0, None
+    if exchange.rank > 0:              # rank 0: nothing comes in, the zero-start states are the answer
+        fs, final, fw = incoming_state(gathered, exchange.rank, cs, final, d.q, pr.region.torch_io)
+        sin = torch.empty_like(sin0)
+        fold = (fs, fw, sin)
     branch.join()
-    y = run_chunk_scan(pr, dtp, cs, sin, cb)
+    y = run_chunk_scan(pr, dtp, cs, sin0, cb, fold=fold)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb), totals
 
 
@@ -104,7 +98,7 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     """Backward launches around the gather: (dx, ddt, dA, dB, dC, dD, dz, ddt_bias) as
     ``backward_after_passing`` gives them (dB, dC in ``bc_dtypes``), dz in the io dtype (None
     without z)."""
-    from mambac.codegen.cp_combine_kernels import fold_outgoing_gradient
+    from mambac.codegen.cp_combine_kernels import outgoing_gradient
     d, r, rank = pr.dims, pr.region, exchange.rank
     world = totals.shape[0]
     dz = None
@@ -114,13 +108,13 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     else:
         dyv = dy.to(r.torch_io)
     pairs = start_pair_chain(pr, saved, dyv, bc_dtypes[1])   # beside the state chain, as in the plain backward
-    folds = rank < world - 1          # the last rank has no later ranks: dF_ext = 0
-    dsout, ds_in, dtot = run_states_bwd(states_in_fp32(pr) if folds else pr, dyv, saved, dfinal)
+    dsout, ds_in, dtot = run_states_bwd(pr, dyv, saved, dfinal)
     every = exchange.gather(ds_in.reshape(d.b, -1))          # rank 0's row is never read
-    if folds:
-        dsout, dtot = fold_outgoing_gradient(every, totals, rank, saved.cs, saved.sin, dsout, dtot, d.q,
-                                             r.torch_io)
-    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, bc_dtypes, pairs)
+    fold = None
+    if rank < world - 1:              # the last rank has no later ranks: dF_ext = 0
+        gs, fw, dtot = outgoing_gradient(every, totals, rank, saved.cs, saved.sin, dtot, d.q, r.torch_io)
+        fold = (gs, fw)
+    dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, bc_dtypes, pairs, fold)
     return dx, ddt, dA, dB, dC, dD, dz, dbias
 
 

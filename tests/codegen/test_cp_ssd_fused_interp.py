@@ -135,16 +135,14 @@ def test_matches_float64_whole_sequence(world, l, h, g, chunk, z, D, bias, limit
 @pytest.mark.parametrize("world,dtype", [(2, F32), (4, torch.bfloat16)])
 def test_matches_float64_on_the_state_walk(world, dtype):
     """Pieces that are whole chunks with power-of-two headdim and dstate: the zero-start states come
-    from the state walk (fp32 states for the fold on every rank but the first, fp32 state
-    gradients on every rank but the last), as on the GPU at the benchmark's sizes."""
+    from the state walk (the chunk scan's fold form on every rank but the first, the fold forms
+    of dx and dB on every rank but the last), as on the GPU at the benchmark's sizes."""
     import mambac.codegen.ssd_kernels as sk
-    from mambac.runtime.cp_ssd_fused import states_in_fp32
     b, h, p, n, chunk = (2 if world == 2 else 1), 3, 16, 16, 16   # batch offsets: checked at world 2
     l = world * 2 * chunk
     args = make_inputs(7 + world, b, l, h, 1, p, n, z=True, D="head", bias=True, dtype=dtype)
     pr = sk.prepare(*[piece(t, 1, world) for t in args], None, chunk, True, 0.0, math.inf)
     assert sk.forward_path(pr) == "walk" and sk.choose_walk(pr) == "walk"
-    assert states_in_fp32(pr).region.fp32_states == (dtype != F32)
     gen = torch.Generator().manual_seed(world)
     dy = torch.randn(b, l, h, p, generator=gen).to(dtype)
     dfs = [torch.randn(b, h, p, n, generator=gen) for _ in range(world)]
