@@ -50,7 +50,7 @@ def _chunk_total(CS, row, c, Q: tl.constexpr):
 
 
 @triton.jit
-def _incoming(G, CS, F0, FS, FINAL, FW, RANK, NC, H, PN, HPN, sg_j, sg_b, Q: tl.constexpr,
+def _incoming(G, CS, F0, FS, FINAL, FW, RANK, NC, H, PN, HPN, sg_j, sg_b, sf_b, Q: tl.constexpr,
               BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -72,7 +72,7 @@ def _incoming(G, CS, F0, FS, FINAL, FW, RANK, NC, H, PN, HPN, sg_j, sg_b, Q: tl.
     for c in range(0, NC):
         tl.store(FW + bh * NC + c, tl.exp(before), mask=pid == 0)
         before += _chunk_total(CS, cs_row, c, Q)
-    f0 = tl.load(F0 + bh * PN + offs, mask=mask, other=0.0)
+    f0 = tl.load(F0 + bi * sf_b + h * PN + offs, mask=mask, other=0.0)
     tl.store(FINAL + bh * PN + offs, f0 + tl.exp(before) * s_in, mask=mask)
 
 
@@ -83,7 +83,8 @@ def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: i
     that the state entering chunk c is its zero-start state plus exp(P_c) S_in.  ``gathered`` (W,
     b, >= h*p*n + h) fp32: every rank's final state from zero then its total log-decay, in rank
     order; ``cs`` (b, h, nc*chunk) fp32, the dA cumsum restarting at every chunk; ``f0`` this
-    piece's final state from zero.  S_in is the exclusive prefix combine of ranks 0 .. rank-1."""
+    piece's final state from zero (dense but for its batch stride: it may be this rank's row of
+    the summaries).  S_in is the exclusive prefix combine of ranks 0 .. rank-1."""
     b, h = f0.shape[0], f0.shape[1]
     pn = f0[0, 0].numel()
     nc = cs.shape[-1] // chunk
@@ -92,10 +93,12 @@ def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: i
     fw = torch.empty(b, h, nc, device=f0.device, dtype=torch.float32)
     if gathered.stride(-1) != 1:
         gathered = gathered.contiguous()
+    if f0.stride()[1:] != (pn, *f0[0, 0].stride()) or not f0[0, 0].is_contiguous():
+        f0 = f0.contiguous()
     block = 256 if interpreting() else 1024
     _incoming[(triton.cdiv(pn, block), b * h)](
-        gathered, cs, f0.contiguous(), fs, final, fw, rank, nc, h, pn, h * pn, gathered.stride(0),
-        gathered.stride(1), Q=chunk, BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
+        gathered, cs, f0, fs, final, fw, rank, nc, h, pn, h * pn, gathered.stride(0),
+        gathered.stride(1), f0.stride(0), Q=chunk, BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
     return fs, final, fw
 
 

@@ -151,7 +151,7 @@ def render_state_pass(r: SSDRegion) -> str:
     w = Writer()
     header(w, "ssd_state_pass", r, "Inter-chunk state passing, sequential over chunks.")
     args = ["states_ptr", "sin_ptr", "cs_ptr"] + (["init_ptr"] if r.has_initial_state else [])
-    args += ["final_ptr", "H", "NC", "PN", "BLK: tl.constexpr"]
+    args += ["final_ptr", "SFB", "H", "NC", "PN", "BLK: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_state_pass({', '.join(args)}):"):
         w.lines("pid = tl.program_id(0)", "pid_bh = tl.program_id(1)",
@@ -167,7 +167,8 @@ def render_state_pass(r: SSDRegion) -> str:
             w.line(f"tot = tl.load(cs_ptr + (bh64 * NC + c) * {q} + {q - 1})")
             w.line("st = tl.load(states_ptr + idx + offs, mask=m, other=0.0)")
             w.line("s = s * tl.exp(tot) + st")
-        w.line("tl.store(final_ptr + bh64 * PN + offs, s, mask=m)")
+        w.comment("SFB: the final state's batch stride (a row of a wider buffer, as context parallelism's summary)")
+        w.line("tl.store(final_ptr + bi64 * SFB + h * PN + offs, s, mask=m)")
     return w.source()
 
 

@@ -71,7 +71,7 @@ def render_state_walk(r: SSDRegion) -> str:
     header(w, NAME, r, "States entering each chunk, by one walk over the sequence per (head, state tile).")
     emit_dt_helpers(w, r)
     args = ["dt_ptr", "a_ptr"] + dt_args(r) + (["init_ptr"] if r.has_initial_state else [])
-    args += ["sin_ptr", "final_ptr", "dtp_ptr", "cs_ptr", "L", "H", "HPG", "NC", "C_LO", "C_HI",
+    args += ["sin_ptr", "final_ptr", "SFB", "dtp_ptr", "cs_ptr", "L", "H", "HPG", "NC", "C_LO", "C_HI",
              "sdb", "sdl", "sdh",
              "xd", "bd", "BT: tl.constexpr", "BP: tl.constexpr", "BN: tl.constexpr",
              "P: tl.constexpr", "N: tl.constexpr"]
@@ -81,7 +81,8 @@ def render_state_walk(r: SSDRegion) -> str:
         _emit_program_tiles(w)
         w.line("a = tl.load(a_ptr + h).to(tl.float32)")
         load_bias(w, r, "h")
-        w.line("final_at = final_ptr + (bi64 * H + h) * P * N + tile")
+        w.comment("SFB: the final state's batch stride (a row of a wider buffer, as context parallelism's summary)")
+        w.line("final_at = final_ptr + bi64 * SFB + h * P * N + tile")
         if r.has_initial_state:
             w.line("acc = tl.load(init_ptr + (bi64 * H + h) * P * N + tile).to(tl.float32)")
         else:

@@ -201,30 +201,45 @@ def with_cb(pr: Prepared, saved: "SSDSaved") -> "SSDSaved":
     return dataclasses.replace(saved, cb=cb, cbt=cbt)
 
 
-def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor) -> tuple[Tensor, Tensor]:
-    """Kernel 2: the state entering each chunk (io dtype) and the final state (fp32)."""
+def final_buffer(pr: Prepared, final: Optional[Tensor] = None) -> Tensor:
+    """Where the states' launches write the final state: ``final`` when given ((batch, heads,
+    headdim, dstate) fp32, dense but for its batch stride: a caller's wider rows), else a new
+    dense tensor."""
+    d = pr.dims
+    if final is None:
+        return torch.empty(d.b, d.h, d.p, d.n, device=pr.x.device, dtype=torch.float32)
+    if (tuple(final.shape) != (d.b, d.h, d.p, d.n) or final.dtype != torch.float32
+            or final.stride()[1:] != (d.p * d.n, d.n, 1)):
+        raise ValueError(f"the final state's buffer must be ({d.b}, {d.h}, {d.p}, {d.n}) fp32, dense but for its "
+                         f"batch stride; got {tuple(final.shape)} {final.dtype} strides {final.stride()}")
+    return final
+
+
+def run_state_pass(pr: Prepared, states: Tensor, cs: Tensor,
+                   final: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Kernel 2: the state entering each chunk (io dtype) and the final state (fp32, into
+    ``final`` when given: see ``final_buffer``)."""
     d, r = pr.dims, pr.region
     sin = torch.empty(states.shape, device=states.device, dtype=r.torch_io)
-    final = torch.empty(d.b, d.h, d.p, d.n, device=states.device, dtype=torch.float32)
+    final = final_buffer(pr, final)
     init = [pr.init] if r.has_initial_state else []
 
     def launch(kern, cfg: TileConfig) -> None:
         kern.launch((cdiv(d.p * d.n, cfg.block_m), d.b * d.h),
-                    [states, sin, cs] + init + [final, d.h, d.nc, d.p * d.n],
+                    [states, sin, cs] + init + [final, final.stride(0), d.h, d.nc, d.p * d.n],
                     dict(BLK=cfg.block_m), cfg)
 
     run_family(STATE_PASS, r, d, launch)
     return sin, final
 
 
-def walk_buffers(pr: Prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def walk_buffers(pr: Prepared, final: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """What ``ssd_state_walk`` writes: the states entering each chunk (io dtype), the final state
-    (fp32), dt' and the dA cumsum."""
+    (fp32; ``final`` when given: see ``final_buffer``), dt' and the dA cumsum."""
     d, r = pr.dims, pr.region
     dtp, cs = dt_buffers(pr)
     sin = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=pr.x.device, dtype=r.torch_io)
-    final = torch.empty(d.b, d.h, d.p, d.n, device=pr.x.device, dtype=torch.float32)
-    return sin, final, dtp, cs
+    return sin, final_buffer(pr, final), dtp, cs
 
 
 def run_state_walk(pr: Prepared, bufs: Optional[tuple] = None, lo: int = 0,
@@ -238,7 +253,8 @@ def run_state_walk(pr: Prepared, bufs: Optional[tuple] = None, lo: int = 0,
     init = [pr.init] if r.has_initial_state else []
 
     def launch(kern, cfg: TileConfig) -> None:
-        args = [pr.dt, pr.A] + dt_extra_args(pr) + init + [sin, final, dtp, cs, d.l, d.h, d.hpg, d.nc, lo, hi]
+        args = [pr.dt, pr.A] + dt_extra_args(pr) + init + [sin, final, final.stride(0), dtp, cs, d.l, d.h, d.hpg,
+                                                            d.nc, lo, hi]
         args += strides3(pr.dt) + tma.launch_descriptors(cfg, even_tiles(d, cfg.block_k), "state walk", [
             (pr.x, 2, (cfg.block_k, cfg.block_m)), (pr.B, 2, (cfg.block_k, cfg.block_n))])
         kern.launch(((d.p // cfg.block_m) * (d.n // cfg.block_n), d.b * d.h), args,
@@ -248,13 +264,14 @@ def run_state_walk(pr: Prepared, bufs: Optional[tuple] = None, lo: int = 0,
     return sin, final, dtp, cs
 
 
-def run_states(pr: Prepared, path: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def run_states(pr: Prepared, path: str, final: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(states entering each chunk, final state, dt', dA cumsum) by ``path``: "walk" (one
-    launch) or "three" (the per-chunk states, then their passing)."""
+    launch) or "three" (the per-chunk states, then their passing); the final state into
+    ``final`` when given (see ``final_buffer``)."""
     if path == "walk":
-        return run_state_walk(pr)
+        return run_state_walk(pr, walk_buffers(pr, final))
     states, dtp, cs = run_chunk_state(pr)
-    sin, final = run_state_pass(pr, states, cs)
+    sin, final = run_state_pass(pr, states, cs, final)
     return sin, final, dtp, cs
 
 

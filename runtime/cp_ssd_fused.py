@@ -37,8 +37,8 @@ accounted for by their own weights on F_local):
 Extra work over the local scan: the two small launches (the forward's reads the earlier ranks'
 final states, the backward's the later ranks' state gradients and the per-chunk states once), the
 folds inside the chunk scan, dx and dB (one more (headdim x dstate) tile per program, the same for
-every chunk of a head), the store of the folded states, the summary packing and the two
-all-gathers.  The exchange saves only the ranks' total decays (W, b, h) for the backward.
+every chunk of a head), the store of the folded states and the two all-gathers (the states'
+launches write the final state straight into the summary row that is sent).  The exchange saves only the ranks' total decays (W, b, h) for the backward.
 """
 from __future__ import annotations
 
@@ -53,7 +53,6 @@ from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_path, prepar
 from mambac.codegen.ssd_kernels_bwd import (backward_after_passing, run_gate_backward, run_states_bwd,
                                             start_pair_chain)
 from mambac.codegen.streams import Branch
-from mambac.runtime.context_parallel import pack_summaries
 
 
 @dataclass(frozen=True)
@@ -80,14 +79,18 @@ def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
     branch = Branch(pr.x.device)       # C B^T beside the states, as in the plain forward
     with branch.run():
         cb = run_chunk_cb(pr, dtype=scan_cb_dtype(pr))
-    sin0, final, dtp, cs = run_states(pr, forward_path(pr))
-    gathered = exchange.gather(pack_summaries(final, chunk_totals(pr, cs).sum(-1)))
+    hpn = d.h * d.p * d.n              # the summary row: the final state from zero, then the total decay
+    summary = torch.empty(d.b, hpn + d.h, device=pr.x.device, dtype=torch.float32)
+    sin0, final, dtp, cs = run_states(pr, forward_path(pr), summary[:, :hpn].view(d.b, d.h, d.p, d.n))
+    torch.sum(chunk_totals(pr, cs), -1, out=summary[:, hpn:])
+    gathered = exchange.gather(summary)
     totals = gathered[..., -d.h:].contiguous()
-    sin, fold = sin0, None
-    if exchange.rank > 0:              # rank 0: nothing comes in, the zero-start states are the answer
+    if exchange.rank > 0:
         fs, final, fw = incoming_state(gathered, exchange.rank, cs, final, d.q, pr.region.torch_io)
         sin = torch.empty_like(sin0)
         fold = (fs, fw, sin)
+    else:                              # rank 0: nothing comes in, the zero-start states are the answer
+        sin, fold, final = sin0, None, final.contiguous()
     branch.join()
     y = run_chunk_scan(pr, dtp, cs, sin0, cb, fold=fold)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb), totals
