@@ -7,8 +7,9 @@ length) and the worst relative error of the loss and gradients against eager.  D
 recompile reasons are printed as they happen (``TORCH_LOGS=recompiles``), so a length that
 compiles again says which guard failed.
 
-Usage (a CUDA machine, from the repository root): ``python3 benchmarks/check_backend_cuda.py [0|1]``
-(1, the default: backward through AOTAutograd; 0: ``trace_backward=False``).
+Usage (a CUDA machine, from the repository root):
+``python3 benchmarks/check_backend_cuda.py [0|1] [variant ...]`` (1, the default: backward through
+AOTAutograd; 0: ``trace_backward=False``; variants: any of mamba2, mamba1, mamba3_siso, default all).
 """
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ from tests.helpers import rel_err  # noqa: E402
 from tests.models.tiny import tiny_lm  # noqa: E402
 
 
-def main(trace_backward: bool) -> None:
+VARIANTS = ("mamba2", "mamba1", "mamba3_siso")
+
+
+def main(trace_backward: bool, variants: tuple[str, ...] = VARIANTS) -> None:
     torch._logging.set_logs(recompiles=True)
     torch.manual_seed(0)
-    for variant in ("mamba2", "mamba1", "mamba3_siso"):
+    for variant in variants:
         m = tiny_lm(variant).cuda()
         e = copy.deepcopy(m)
         be = MambacBackend(trace_backward=trace_backward)
@@ -49,4 +53,9 @@ def main(trace_backward: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] != ["0"])
+    args = sys.argv[1:]
+    flag = args.pop(0) if args and args[0] in ("0", "1") else "1"
+    unknown = [a for a in args if a not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}: choose from {VARIANTS}")
+    main(flag == "1", tuple(args) or VARIANTS)
