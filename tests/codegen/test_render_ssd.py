@@ -289,3 +289,30 @@ def test_state_walk_sources_in_order():
                     "tl.store(dinit_ptr")
     for src in (fwd, bwd):
         ast.parse(src)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_fold_forms_add_the_fold_as_they_load_the_states(tma):
+    """Context parallelism's fold forms: the chunk scan adds fw[b, h, c] * fs[b, h] to each
+    zero-start state as it loads it, before the state's dot with C, and its first row tile stores
+    the sum; dx and dB add the fold to each leaving-state gradient before their dots.  The plain
+    kernels take no fold, and only those three have a fold form."""
+    r = region(has_initial_state=False)
+    scan = render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True)
+    assert_in_order(scan, "def ssd_chunk_scan_fold(", "sin_ptr, fs_ptr, fw_ptr, so_ptr, C_LO",
+                    "st_0 = ", "tl.load(fw_ptr + (bi64 * H + h0 + 0) * NC + pid_c)", "tl.load(fs_ptr + (bi64 * H + h0 + 0)",
+                    "if pid_m == 0:", "tl.store(so_ptr + ((bi64 * NC + pid_c) * H + h0 + 0)", "acc_0 = tl.dot(c_t, st_0")
+    dx = render_bwd_tiles.render_dx(r, 1, tma, fold=True)
+    assert_in_order(dx, "def ssd_dx_fold(", "dsout_ptr, fs_ptr, fw_ptr, ddtd_ptr", "ds = ",
+                    "ds = (ds.to(tl.float32) + tl.load(fw_ptr + (bi64 * H + h0 + 0) * NC + pid_c)",
+                    "acc_0 = tl.dot(b_s, ds.to(")
+    db = render_bwd_tiles.render_dbc(r, "b", tma, fold=True)
+    assert_in_order(db, "def ssd_db_fold(", "dsout_ptr, fs_ptr, fw_ptr, dcb_ptr", "st = ",
+                    "st = (st.to(tl.float32) + tl.load(fw_ptr + (bi64 * H + hh) * NC + pid_c)",
+                    "f = tl.dot(x_s, st.to(")
+    for src in all_sources(r).values():
+        assert "fs_ptr" not in src and "so_ptr" not in src
+    with pytest.raises(ValueError, match="only the forward chunk scan"):
+        render_fwd.render_chunk_scan(r, 1, "gate_backward", tma, fold=True)
+    with pytest.raises(ValueError, match="only db"):
+        render_bwd_tiles.render_dbc(r, "c", tma, fold=True)
