@@ -1,0 +1,103 @@
+"""Compile generated kernels for Hopper (sm_90) with Triton's own compiler, on any machine.
+
+Run as a script in a process where the Triton interpreter is off (``TRITON_INTERPRET`` unset):
+the interpreter runs a kernel's Python, so it never sees what the compiler checks (types,
+tensor-descriptor loads, the TMA forms, which only run on a GPU).  Prints ``compiled NAME`` per
+kernel and ``failed NAME: error`` for a kernel that does not compile; exits 1 if any failed.
+
+Covered: context parallelism's fold forms (chunk scan, dx, dB; with and without tensor
+descriptors), the state walk and the state pass (the final state's batch stride), and the two
+small kernels of ``codegen/cp_combine_kernels.py``; bf16 io at headdim 64 / dstate 128, chunk 256.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mambac.codegen import cp_combine_kernels, render_bwd_tiles, render_fwd, render_state_walk
+from mambac.codegen.kernel_ir import SSDRegion
+
+REGION = SSDRegion(has_dt_bias=True, dt_softplus=True, dt_clamp=False, d_mode="head", has_z=True,
+                   has_initial_state=False, io_dtype="bf16", chunk_size=256)
+# pointers to fp32 data; every other pointer is to the io dtype (bf16)
+FP32 = {"d_ptr", "dd_ptr", "dtp_ptr", "cs_ptr", "fw_ptr", "ddtd_ptr", "dcb_ptr", "out_ptr", "v_ptr", "es_ptr",
+        "final_ptr", "a_ptr", "bias_ptr", "dt_ptr", "cb_ptr", "states_ptr"}
+# the hand-written kernels' pointers (their names do not end in _ptr)
+SMALL = {"G": "*fp32", "CS": "*fp32", "F0": "*fp32", "FINAL": "*fp32", "FW": "*fp32", "E": "*fp32",
+         "TOT": "*fp32", "PARTS": "*fp32", "FS": "*bf16", "SIN": "*bf16", "GS": "*bf16"}
+SCAN = dict(BM=64, BK=32, PP=64, NP=128, EVEN=True)
+DESCRIPTORS = {"xd": (32, 64), "cd": (64, 128), "sd": (64, 128), "cbd": (64, 32), "yd": (64, 64),
+               "bd": (64, 128), "dsd": (64, 128), "dyd": (32, 64), "ownd": (64, 128), "hd": (64, 64),
+               "otherd": (32, 128), "dcbd": (32, 64)}
+WALK_DESCRIPTORS = {"xd": (32, 32), "bd": (32, 64)}
+DESCRIPTOR_DTYPE = {"cbd": "fp32", "dcbd": "fp32"}
+
+
+def _kernel(source: str) -> triton.runtime.jit.JITFunction:
+    path = os.path.join(tempfile.mkdtemp(), "kernel.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"hopper_{abs(hash(source))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [v for v in vars(module).values() if isinstance(v, triton.runtime.jit.JITFunction)][-1]
+
+
+def _type(name: str, constexprs: dict, descriptors: dict, pointers: dict) -> str:
+    if name in pointers:
+        return pointers[name]
+    if name in constexprs:
+        return "constexpr"
+    if name in descriptors:
+        shape = ", ".join(str(s) for s in descriptors[name])
+        return f"tensordesc<{DESCRIPTOR_DTYPE.get(name, 'bf16')}[{shape}]>"
+    if name in FP32:
+        return "*fp32"
+    if name.endswith("_ptr"):
+        return "*bf16"
+    return "i32"
+
+
+def cases() -> list[tuple]:
+    """(name, kernel, constexprs, descriptor block shapes[, pointer types]) of every kernel compiled."""
+    r, out = REGION, []
+    for tma in (False, True):
+        tag = "_tma" if tma else ""
+        descs = DESCRIPTORS if tma else {}
+        out += [(f"ssd_chunk_scan_fold{tag}", _kernel(render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True)),
+                 SCAN, descs),
+                (f"ssd_dx_fold{tag}", _kernel(render_bwd_tiles.render_dx(r, 1, tma, fold=True)), SCAN, descs),
+                (f"ssd_db_fold{tag}", _kernel(render_bwd_tiles.render_dbc(r, "b", tma, fold=True)),
+                 dict(BT=64, BS=32, PP=64, NP=128, EVEN=True), descs)]
+    out += [("ssd_state_walk", _kernel(render_state_walk.render_state_walk(r)),
+             dict(BT=32, BP=32, BN=64, P=64, N=128), WALK_DESCRIPTORS),
+            ("ssd_state_pass", _kernel(render_fwd.render_state_pass(r)), dict(BLK=1024), {})]
+    small = dict(Q=256, BLOCK=1024, EMULATE_BF16=False)
+    out += [("cp_incoming", cp_combine_kernels._incoming, small, {}, SMALL),
+            ("cp_outgoing", cp_combine_kernels._outgoing, small, {}, SMALL)]
+    return out
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run without TRITON_INTERPRET=1: the interpreter's kernels do not compile")
+    failed = 0
+    for name, kernel, constexprs, descriptors, *pointers in cases():
+        signature = {a: _type(a, constexprs, descriptors, pointers[0] if pointers else {}) for a in kernel.arg_names}
+        try:
+            triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+            print(f"compiled {name}", flush=True)
+        except Exception as exc:   # report every kernel, then fail
+            failed += 1
+            print(f"failed {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

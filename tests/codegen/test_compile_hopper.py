@@ -1,0 +1,23 @@
+"""The kernels the interpreter cannot fully check (the fold forms with and without tensor
+descriptors, the state walk and state pass, the cp exchange's small kernels) compile for Hopper
+(sm_90) with Triton's own compiler, on this machine, GPU or not (``compile_hopper.py``, run in a
+process of its own with the interpreter off)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).with_name("compile_hopper.py")
+
+
+def test_generated_kernels_compile_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=400)
+    compiled = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("compiled ")]
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert compiled == ["ssd_chunk_scan_fold", "ssd_dx_fold", "ssd_db_fold", "ssd_chunk_scan_fold_tma",
+                        "ssd_dx_fold_tma", "ssd_db_fold_tma", "ssd_state_walk", "ssd_state_pass",
+                        "cp_incoming", "cp_outgoing"]
