@@ -6,7 +6,8 @@ tensor-descriptor loads, the TMA forms, which only run on a GPU).  Prints ``comp
 kernel and ``failed NAME: error`` for a kernel that does not compile; exits 1 if any failed.
 
 Covered: context parallelism's fold forms (chunk scan, dx, dB; with and without tensor
-descriptors), the state walk and the state pass (the final state's batch stride), and the two
+descriptors), the SSD kernels that take tensor descriptors on Hopper (chunk state, chunk scan, the
+gate backward, the state walks both ways, dstate, dx, dcb, dC, dB), the state pass, and the two
 small kernels of ``codegen/cp_combine_kernels.py``; bf16 io at headdim 64 / dstate 128, chunk 256.
 """
 from __future__ import annotations
@@ -20,21 +21,24 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mambac.codegen import cp_combine_kernels, render_bwd_tiles, render_fwd, render_state_walk
+from mambac.codegen import cp_combine_kernels, render_bwd_pairs, render_bwd_tiles, render_fwd, render_state_walk
 from mambac.codegen.kernel_ir import SSDRegion
 
 REGION = SSDRegion(has_dt_bias=True, dt_softplus=True, dt_clamp=False, d_mode="head", has_z=True,
                    has_initial_state=False, io_dtype="bf16", chunk_size=256)
 # pointers to fp32 data; every other pointer is to the io dtype (bf16)
 FP32 = {"d_ptr", "dd_ptr", "dtp_ptr", "cs_ptr", "fw_ptr", "ddtd_ptr", "dcb_ptr", "out_ptr", "v_ptr", "es_ptr",
-        "final_ptr", "a_ptr", "bias_ptr", "dt_ptr", "cb_ptr", "states_ptr"}
+        "final_ptr", "a_ptr", "bias_ptr", "dt_ptr", "cb_ptr", "states_ptr", "dst_ptr", "dfinal_ptr",
+        "dinit_ptr", "dtot_ptr", "mrow_ptr", "mcol_ptr"}
 # the hand-written kernels' pointers (their names do not end in _ptr)
 SMALL = {"G": "*fp32", "CS": "*fp32", "F0": "*fp32", "FINAL": "*fp32", "FW": "*fp32", "E": "*fp32",
          "TOT": "*fp32", "PARTS": "*fp32", "FS": "*bf16", "SIN": "*bf16", "GS": "*bf16"}
 SCAN = dict(BM=64, BK=32, PP=64, NP=128, EVEN=True)
-DESCRIPTORS = {"xd": (32, 64), "cd": (64, 128), "sd": (64, 128), "cbd": (64, 32), "yd": (64, 64),
-               "bd": (64, 128), "dsd": (64, 128), "dyd": (32, 64), "ownd": (64, 128), "hd": (64, 64),
-               "otherd": (32, 128), "dcbd": (32, 64)}
+# block shapes of the tensor descriptors, as the launchers make them at these sizes (BM / BT 64, BK / BS 32)
+SCAN_DESCRIPTORS = {"xd": (32, 64), "cd": (64, 128), "sd": (64, 128), "cbd": (64, 32), "yd": (64, 64)}
+DX_DESCRIPTORS = {"bd": (64, 128), "dsd": (64, 128), "cbd": (64, 32), "dyd": (32, 64)}
+DB_DESCRIPTORS = {"ownd": (64, 128), "hd": (64, 64), "sd": (64, 128), "otherd": (32, 128), "dcbd": (32, 64)}
+DC_DESCRIPTORS = dict(DB_DESCRIPTORS, dcbd=(64, 32))
 WALK_DESCRIPTORS = {"xd": (32, 32), "bd": (32, 64)}
 DESCRIPTOR_DTYPE = {"cbd": "fp32", "dcbd": "fp32"}
 
@@ -67,17 +71,31 @@ def _type(name: str, constexprs: dict, descriptors: dict, pointers: dict) -> str
 def cases() -> list[tuple]:
     """(name, kernel, constexprs, descriptor block shapes[, pointer types]) of every kernel compiled."""
     r, out = REGION, []
+    tiles = dict(BT=64, BS=32, PP=64, NP=128, EVEN=True)
     for tma in (False, True):
         tag = "_tma" if tma else ""
-        descs = DESCRIPTORS if tma else {}
+        scan, dx, db = (SCAN_DESCRIPTORS, DX_DESCRIPTORS, DB_DESCRIPTORS) if tma else ({}, {}, {})
         out += [(f"ssd_chunk_scan_fold{tag}", _kernel(render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True)),
-                 SCAN, descs),
-                (f"ssd_dx_fold{tag}", _kernel(render_bwd_tiles.render_dx(r, 1, tma, fold=True)), SCAN, descs),
-                (f"ssd_db_fold{tag}", _kernel(render_bwd_tiles.render_dbc(r, "b", tma, fold=True)),
-                 dict(BT=64, BS=32, PP=64, NP=128, EVEN=True), descs)]
-    out += [("ssd_state_walk", _kernel(render_state_walk.render_state_walk(r)),
+                 SCAN, scan),
+                (f"ssd_dx_fold{tag}", _kernel(render_bwd_tiles.render_dx(r, 1, tma, fold=True)), SCAN, dx),
+                (f"ssd_db_fold{tag}", _kernel(render_bwd_tiles.render_dbc(r, "b", tma, fold=True)), tiles, db)]
+    out += [("ssd_chunk_state_tma", _kernel(render_fwd.render_chunk_state(r, "forward", 1, True)),
+             dict(BT=32, BP=64, NP=128), {"xd": (32, 64), "bd": (32, 128)}),
+            ("ssd_state_walk", _kernel(render_state_walk.render_state_walk(r)),
              dict(BT=32, BP=32, BN=64, P=64, N=128), WALK_DESCRIPTORS),
-            ("ssd_state_pass", _kernel(render_fwd.render_state_pass(r)), dict(BLK=1024), {})]
+            ("ssd_state_pass", _kernel(render_fwd.render_state_pass(r)), dict(BLK=1024), {}),
+            ("ssd_chunk_scan_tma", _kernel(render_fwd.render_chunk_scan(r, 1, "forward", True)), SCAN, SCAN_DESCRIPTORS),
+            ("ssd_gate_backward_tma", _kernel(render_fwd.render_chunk_scan(r, 1, "gate_backward", True)), SCAN,
+             {k: v for k, v in SCAN_DESCRIPTORS.items() if k != "yd"}),
+            ("ssd_chunk_dstate_tma", _kernel(render_fwd.render_chunk_state(r, "dstate", 1, True)),
+             dict(BT=32, BP=64, NP=128), {"dyd": (32, 64), "cd": (32, 128)}),
+            ("ssd_state_walk_bwd", _kernel(render_state_walk.render_state_walk_bwd(r)),
+             dict(BT=32, BP=32, BN=64, P=64, N=128), {"dyd": (32, 32), "cd": (32, 64)}),
+            ("ssd_dx_tma", _kernel(render_bwd_tiles.render_dx(r, 1, True)), SCAN, DX_DESCRIPTORS),
+            ("ssd_dcb_tma", _kernel(render_bwd_pairs.render_dcb(r, 1, True)), dict(BT=64, PP=64, EVEN=True),
+             {"xd": (64, 64), "dyd": (64, 64), "cbd": (64, 64)}),
+            ("ssd_dc_tma", _kernel(render_bwd_tiles.render_dbc(r, "c", True)), tiles, DC_DESCRIPTORS),
+            ("ssd_db_tma", _kernel(render_bwd_tiles.render_dbc(r, "b", True)), tiles, DB_DESCRIPTORS)]
     small = dict(Q=256, BLOCK=1024, EMULATE_BF16=False)
     out += [("cp_incoming", cp_combine_kernels._incoming, small, {}, SMALL),
             ("cp_outgoing", cp_combine_kernels._outgoing, small, {}, SMALL)]
