@@ -45,8 +45,9 @@ def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False, fold: bool = Fals
     w = Writer()
     header(w, name, r, f"Backward for x (and dt, D) with {heads} head(s) per program.")
     args = ["x_ptr", "b_ptr", "cb_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
-    args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr"] + (FOLD_ARGS if fold else []) + ["ddtd_ptr", "L", "H", "HPG", "NC", "P", "N",
-             "sxb", "sxl", "sxh", "sbb", "sbl", "sbg"] + (["bd", "dsd", "cbd", "dyd"] if tma else [])
+    args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr"] + (FOLD_ARGS if fold else [])
+    args += ["ddtd_ptr", "L", "H", "HPG", "NC", "P", "N", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg"]
+    args += ["bd", "dsd", "cbd", "dyd"] if tma else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "EVEN: tl.constexpr"]
     w.line("@triton.jit")

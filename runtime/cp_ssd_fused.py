@@ -38,7 +38,8 @@ Extra work over the local scan: the two small launches (the forward's reads the 
 final states, the backward's the later ranks' state gradients and the per-chunk states once), the
 folds inside the chunk scan, dx and dB (one more (headdim x dstate) tile per program, the same for
 every chunk of a head), the store of the folded states and the two all-gathers (the states'
-launches write the final state straight into the summary row that is sent).  The exchange saves only the ranks' total decays (W, b, h) for the backward.
+launches write the final state straight into the summary row that is sent).  The exchange saves
+only the ranks' total decays (W, b, h) for the backward.
 """
 from __future__ import annotations
 
