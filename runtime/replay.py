@@ -17,6 +17,7 @@ which records the replay in its backward graph).  It does not support double bac
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -96,19 +97,12 @@ class _Replay(torch.autograd.Function):
         return (None, *result)
 
 
-class _autocast:
+def _autocast(state: tuple) -> contextlib.ExitStack:
     """Re-enter the forward's autocast state (per device type) around the replay."""
-
-    def __init__(self, state: tuple) -> None:
-        self.managers = [torch.autocast(d, dtype=dtype) for d, dtype in state]
-
-    def __enter__(self) -> None:
-        for m in self.managers:
-            m.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for m in reversed(self.managers):
-            m.__exit__(*exc)
+    stack = contextlib.ExitStack()
+    for device_type, dtype in state:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype))
+    return stack
 
 
 def _attribute(module: torch.nn.Module, path: str) -> Any:

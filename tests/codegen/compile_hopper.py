@@ -12,16 +12,15 @@ small kernels of ``codegen/cp_combine_kernels.py``; bf16 io at headdim 64 / dsta
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mambac.codegen import cp_combine_kernels, render_bwd_pairs, render_bwd_tiles, render_fwd, render_state_walk
+from mambac.codegen.compile import load_kernel
 from mambac.codegen.kernel_ir import SSDRegion
 
 REGION = SSDRegion(has_dt_bias=True, dt_softplus=True, dt_clamp=False, d_mode="head", has_z=True,
@@ -43,14 +42,9 @@ WALK_DESCRIPTORS = {"xd": (32, 32), "bd": (32, 64)}
 DESCRIPTOR_DTYPE = {"cbd": "fp32", "dcbd": "fp32"}
 
 
-def _kernel(source: str) -> triton.runtime.jit.JITFunction:
-    path = os.path.join(tempfile.mkdtemp(), "kernel.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"hopper_{abs(hash(source))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return [v for v in vars(module).values() if isinstance(v, triton.runtime.jit.JITFunction)][-1]
+def _kernel(name: str, source: str) -> triton.runtime.jit.JITFunction:
+    """The kernel ``name`` of a generated source, stored and imported as the launchers do."""
+    return load_kernel(name, lambda: source, REGION.summary()).fn
 
 
 def _type(name: str, constexprs: dict, descriptors: dict, pointers: dict) -> str:
@@ -69,33 +63,34 @@ def _type(name: str, constexprs: dict, descriptors: dict, pointers: dict) -> str
 
 
 def cases() -> list[tuple]:
-    """(name, kernel, constexprs, descriptor block shapes[, pointer types]) of every kernel compiled."""
+    """(name, generated source or hand-written kernel, constexprs, descriptor block shapes[, pointer
+    types]) of every kernel compiled; a generated kernel's own name is ``name`` without "_tma"."""
     r, out = REGION, []
     tiles = dict(BT=64, BS=32, PP=64, NP=128, EVEN=True)
     for tma in (False, True):
         tag = "_tma" if tma else ""
         scan, dx, db = (SCAN_DESCRIPTORS, DX_DESCRIPTORS, DB_DESCRIPTORS) if tma else ({}, {}, {})
-        out += [(f"ssd_chunk_scan_fold{tag}", _kernel(render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True)),
+        out += [(f"ssd_chunk_scan_fold{tag}", render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True),
                  SCAN, scan),
-                (f"ssd_dx_fold{tag}", _kernel(render_bwd_tiles.render_dx(r, 1, tma, fold=True)), SCAN, dx),
-                (f"ssd_db_fold{tag}", _kernel(render_bwd_tiles.render_dbc(r, "b", tma, fold=True)), tiles, db)]
-    out += [("ssd_chunk_state_tma", _kernel(render_fwd.render_chunk_state(r, "forward", 1, True)),
+                (f"ssd_dx_fold{tag}", render_bwd_tiles.render_dx(r, 1, tma, fold=True), SCAN, dx),
+                (f"ssd_db_fold{tag}", render_bwd_tiles.render_dbc(r, "b", tma, fold=True), tiles, db)]
+    out += [("ssd_chunk_state_tma", render_fwd.render_chunk_state(r, "forward", 1, True),
              dict(BT=32, BP=64, NP=128), {"xd": (32, 64), "bd": (32, 128)}),
-            ("ssd_state_walk", _kernel(render_state_walk.render_state_walk(r)),
+            ("ssd_state_walk", render_state_walk.render_state_walk(r),
              dict(BT=32, BP=32, BN=64, P=64, N=128), WALK_DESCRIPTORS),
-            ("ssd_state_pass", _kernel(render_fwd.render_state_pass(r)), dict(BLK=1024), {}),
-            ("ssd_chunk_scan_tma", _kernel(render_fwd.render_chunk_scan(r, 1, "forward", True)), SCAN, SCAN_DESCRIPTORS),
-            ("ssd_gate_backward_tma", _kernel(render_fwd.render_chunk_scan(r, 1, "gate_backward", True)), SCAN,
+            ("ssd_state_pass", render_fwd.render_state_pass(r), dict(BLK=1024), {}),
+            ("ssd_chunk_scan_tma", render_fwd.render_chunk_scan(r, 1, "forward", True), SCAN, SCAN_DESCRIPTORS),
+            ("ssd_gate_backward_tma", render_fwd.render_chunk_scan(r, 1, "gate_backward", True), SCAN,
              {k: v for k, v in SCAN_DESCRIPTORS.items() if k != "yd"}),
-            ("ssd_chunk_dstate_tma", _kernel(render_fwd.render_chunk_state(r, "dstate", 1, True)),
+            ("ssd_chunk_dstate_tma", render_fwd.render_chunk_state(r, "dstate", 1, True),
              dict(BT=32, BP=64, NP=128), {"dyd": (32, 64), "cd": (32, 128)}),
-            ("ssd_state_walk_bwd", _kernel(render_state_walk.render_state_walk_bwd(r)),
+            ("ssd_state_walk_bwd", render_state_walk.render_state_walk_bwd(r),
              dict(BT=32, BP=32, BN=64, P=64, N=128), {"dyd": (32, 32), "cd": (32, 64)}),
-            ("ssd_dx_tma", _kernel(render_bwd_tiles.render_dx(r, 1, True)), SCAN, DX_DESCRIPTORS),
-            ("ssd_dcb_tma", _kernel(render_bwd_pairs.render_dcb(r, 1, True)), dict(BT=64, PP=64, EVEN=True),
+            ("ssd_dx_tma", render_bwd_tiles.render_dx(r, 1, True), SCAN, DX_DESCRIPTORS),
+            ("ssd_dcb_tma", render_bwd_pairs.render_dcb(r, 1, True), dict(BT=64, PP=64, EVEN=True),
              {"xd": (64, 64), "dyd": (64, 64), "cbd": (64, 64)}),
-            ("ssd_dc_tma", _kernel(render_bwd_tiles.render_dbc(r, "c", True)), tiles, DC_DESCRIPTORS),
-            ("ssd_db_tma", _kernel(render_bwd_tiles.render_dbc(r, "b", True)), tiles, DB_DESCRIPTORS)]
+            ("ssd_dc_tma", render_bwd_tiles.render_dbc(r, "c", True), tiles, DC_DESCRIPTORS),
+            ("ssd_db_tma", render_bwd_tiles.render_dbc(r, "b", True), tiles, DB_DESCRIPTORS)]
     small = dict(Q=256, BLOCK=1024, EMULATE_BF16=False)
     out += [("cp_incoming", cp_combine_kernels._incoming, small, {}, SMALL),
             ("cp_outgoing", cp_combine_kernels._outgoing, small, {}, SMALL)]
@@ -107,6 +102,8 @@ def main() -> int:
         raise SystemExit("run without TRITON_INTERPRET=1: the interpreter's kernels do not compile")
     failed = 0
     for name, kernel, constexprs, descriptors, *pointers in cases():
+        if isinstance(kernel, str):
+            kernel = _kernel(name.removesuffix("_tma"), kernel)
         signature = {a: _type(a, constexprs, descriptors, pointers[0] if pointers else {}) for a in kernel.arg_names}
         try:
             triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))

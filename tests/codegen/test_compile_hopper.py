@@ -15,7 +15,8 @@ SCRIPT = Path(__file__).with_name("compile_hopper.py")
 
 def test_generated_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), MAMBAC_CACHE_DIR=str(tmp_path / "mambac"),
+               TRITON_DEFAULT_FP_FUSION="1")
     run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=400)
     compiled = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("compiled ")]
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
