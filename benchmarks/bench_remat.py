@@ -133,10 +133,15 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
         saved.output.backward()
         del saved
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda") if args.optimizer else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(max(args.warmup, 1 if opt else 0)):  # AdamW's state exists before the timed steps
         model.zero_grad(set_to_none=True)
         _step(compiled, ids, labels, device, opt)
     if device.type == "cuda":
+        if args.cuda_graphs:   # the capture allocates the step's tensors in the pool: their live peak
+            print(f"remat={mode}: peak allocated over the warm-up steps and the capture "
+                  f"{human(torch.cuda.max_memory_allocated())}")
         if args.cuda_graphs:   # the warm-up's cached blocks go back: what stays reserved is what the step holds
             gc.collect()
             torch.cuda.empty_cache()
