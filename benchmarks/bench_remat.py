@@ -123,7 +123,7 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
         compiled = mambac.compile(model, example_inputs=(ids, labels), **opts)
         gm = compiled.program_for(ids, labels).gm
         row.predicted = (gm.meta.get(MEMORY_PLAN) or plan_of(gm)).predicted
-        row.fixed = step_state_bytes(gm)
+        row.fixed = step_state_bytes(gm, args.cuda_graphs)
     params = list(model.parameters())
     model.zero_grad(set_to_none=True)
     if not args.cuda_graphs:   # a replayed graph saves nothing through autograd's hooks

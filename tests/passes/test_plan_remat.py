@@ -131,6 +131,27 @@ def test_step_scope_counts_parameters_gradients_and_adamw_state():
                        example_inputs=(ids, labels))
 
 
+def test_step_scope_with_cuda_graphs_counts_the_static_gradient_buffers():
+    """cuda_graphs=True keeps one static gradient buffer per trainable parameter in the graphs'
+    pool beside .grad: the step scope takes those bytes off the budget too (CUDA graphs need a
+    GPU to compile, so the pass's budget split is checked on the options alone)."""
+    from types import SimpleNamespace
+
+    from mambac.passes.plan_remat import activation_budget
+    model, (ids, labels) = tiny_lm("mamba2"), batch()
+    model.backbone.layers[0].norm.weight.requires_grad_(False)   # a frozen parameter has no gradient buffer
+    gm = mambac.compile(model, example_inputs=(ids, labels)).program_for(ids, labels).gm
+    trainable = sum(p.numel() * 4 for p in dict.fromkeys(model.parameters()) if p.requires_grad)
+    budget = 1 << 30
+    opts = dict(memory_budget=budget, memory_budget_scope="step")
+    plain, fixed = activation_budget(gm, SimpleNamespace(cuda_graphs=False, **opts))
+    graphed, fixed_graphed = activation_budget(gm, SimpleNamespace(cuda_graphs=True, **opts))
+    assert fixed_graphed - fixed == trainable > 0
+    assert plain - graphed == trainable
+    with pytest.raises(MambacOptionsError, match="static gradient buffers"):
+        activation_budget(gm, SimpleNamespace(cuda_graphs=True, memory_budget=fixed + 1, memory_budget_scope="step"))
+
+
 def test_generous_budget_changes_nothing():
     model, (ids, labels) = tiny_lm("mamba2"), batch()
     plain = mambac.compile(model, example_inputs=(ids, labels))
