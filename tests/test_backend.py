@@ -54,6 +54,28 @@ def _check_parity(model: nn.Module, eager, compiled, *inputs, tol: float = 1e-5)
         assert rel_err(a, b) <= tol, name
 
 
+def _check_bf16_parity(model: nn.Module, eager, compiled, *inputs, tol: float) -> None:
+    """Under CPU bf16 autocast: ``compiled``'s output, and all its parameter gradients taken as one
+    vector, equal ``eager``'s within ``tol``, and against the fp32 referee (autocast off) the
+    compiled gradients are no further off than twice eager's own bf16 error (+5e-3).  Per parameter
+    the bf16 error of a small reduction (``dt_bias``, ``D``, ``A_log``: one value per head, a sum of
+    cancelling terms over a few tokens) swings past 10% in eager itself from one draw to the next,
+    so those are compared at fp32 (``_check_parity``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.autocast("cpu", enabled=False):
+        out32 = eager(*inputs)
+    cot = torch.randn_like(out32)
+    flat = lambda gs: torch.cat([g.flatten() for g in gs])  # noqa: E731
+    ref = flat(torch.autograd.grad((out32 * cot).sum(), params))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_e, out_c = eager(*inputs), compiled(*inputs)
+        assert rel_err(out_c, out_e) <= tol
+        grads_e = flat(torch.autograd.grad((out_e * cot).sum(), params))
+        grads_c = flat(torch.autograd.grad((out_c * cot).sum(), params))
+    assert rel_err(grads_c, grads_e) <= tol
+    assert rel_err(grads_c, ref) <= 2 * rel_err(grads_e, ref) + 5e-3
+
+
 def _fusions(lowered) -> dict:
     return dict(lowered.ctx.stats["fuse_ssm"].counts)
 
@@ -238,8 +260,8 @@ def test_lm_loss_is_fused_and_new_lengths_keep_one_dynamic_graph():
     assert len(backend.graphs) == 2
     assert [g.ctx.stats["fuse_loss"].counts["linear_cross_entropy"] for g in backend.graphs] == [1, 1]
     ids, labels = torch.randint(0, 37, (2, 12)), torch.randint(0, 37, (2, 12))
+    _check_bf16_parity(model, model, compiled, ids, labels, tol=2e-2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _check_parity(model, model, compiled, ids, labels, tol=2e-2)
         want = model(ids, labels)
         got = compiled(ids, labels)
     assert got.dtype == want.dtype == torch.float32 and rel_err(got, want) <= 1e-2
@@ -359,15 +381,14 @@ def test_transformers_model_under_bf16_autocast_folds_the_same_and_matches_eager
     """Under CPU bf16 autocast the residual sums stay fp32 (residual_in_fp32), HF's casts before the
     norms are still no-ops and fold as in fp32; logits and gradients equal HF eager under the same
     autocast within bf16 tolerances (5e-2: the swapped mixers round differently from HF's code, as
-    they do without the norms swapped)."""
+    they do without the norms swapped; the gradients as one vector, see ``_check_bf16_parity``)."""
     from tests.convert.hf_models import hf_model
 
     model = hf_model("mamba2_lm_groups")
     backend = MambacBackend()
     compiled = torch.compile(model, backend=backend)
     ids = torch.randint(0, 37, (2, 8))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _check_parity(model, _hf_logits(model), _hf_logits(compiled), ids, tol=5e-2)
+    _check_bf16_parity(model, _hf_logits(model), _hf_logits(compiled), ids, tol=5e-2)
     assert _fusions(backend.graphs[0])["add_rmsnorm"] == 2
     assert backend.graphs[0].ctx.stats["backend"].counts["mixers.lowered"] == 2
 
