@@ -129,23 +129,42 @@ def _fake_mode_for(example_inputs: Sequence[Any]):
     return detect_fake_mode(list(example_inputs))
 
 
-def _dynamo_fakes(example_inputs: Sequence[Any], mode) -> list:
+def _symbolic_contexts():
+    """Dynamo's symbolic context of each input tensor it traced (None outside a dynamo trace)."""
+    from torch._guards import TracingContext
+    return getattr(TracingContext.try_get(), "tensor_to_context", None)
+
+
+def _same_shape_env(value: Any, mode) -> bool:
+    """Whether ``value`` is a fake tensor whose sizes live in ``mode``'s shape environment (dynamo
+    hands a backend a fake mode of its own over the shape environment it traced with)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(value, FakeTensor) and value.fake_mode.shape_env is mode.shape_env
+
+
+def _dynamo_fakes(example_inputs: Sequence[Any], mode, gm: torch.fx.GraphModule | None = None) -> list:
     """The inputs to propagate: each real data tensor fakified with the symbolic context dynamo
     traced it with (``TracingContext.tensor_to_context``, as AOTAutograd does), so its fake has
-    dynamo's own size symbols; the rest as given.  Fakified without it, a tensor may get sizes of
-    its own: on an H100 with torch 2.11 the length was pinned during this propagation, and every
-    new length compiled again."""
-    from torch._guards import TracingContext
+    dynamo's own size symbols; where dynamo holds no context for the tensor, the fake dynamo traced
+    its placeholder with (``example_value``, same fake mode); the rest as given.  Fakified without
+    either, a tensor may get sizes of its own: on an H100 with torch 2.11 the length was pinned
+    during this propagation, and every new length compiled again."""
     from torch._subclasses.fake_tensor import FakeTensor
-    tracing = TracingContext.try_get()
-    contexts = getattr(tracing, "tensor_to_context", None)
+    contexts = _symbolic_contexts()
     out = list(example_inputs)
-    if mode is None or contexts is None:
+    if mode is None:
         return out
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"] if gm is not None else []
+    traced = [n.meta.get("example_value") for n in holders] if len(holders) == len(out) else [None] * len(out)
     for i, t in enumerate(out):
-        if isinstance(t, torch.Tensor) and not isinstance(t, (torch.nn.Parameter, FakeTensor)) and t in contexts:
+        if not isinstance(t, torch.Tensor) or isinstance(t, (torch.nn.Parameter, FakeTensor)):
+            continue
+        if contexts is not None and t in contexts:
             context = contexts[t]
             out[i] = mode.from_tensor(t, symbolic_context=context, source=context.tensor_source)
+        elif _same_shape_env(traced[i], mode) and traced[i].dim() == t.dim() and traced[i].dtype == t.dtype:
+            # (dims and dtype compared, not sizes: that would guard on them)
+            out[i] = traced[i] if traced[i].fake_mode is mode else mode.from_tensor(traced[i])
     return out
 
 
@@ -169,7 +188,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     SymInts) and run the pass pipeline for ``options`` on it."""
     annotate_sources(gm)
     mode = _fake_mode_for(example_inputs)
-    inputs = _dynamo_fakes(example_inputs, mode)
+    inputs = _dynamo_fakes(example_inputs, mode, gm)
     with _real_constants_allowed(mode):
         propagate_shapes(gm, inputs, mode)
         if options.world_size == 1 and swap_foreign_mixers(gm, example_inputs):

@@ -299,6 +299,41 @@ def test_shapes_are_propagated_from_dynamos_own_fake_inputs():
     assert any(isinstance(t, nn.Parameter) for t in got[-1])
 
 
+@pytest.mark.parametrize("contexts", ["none", "empty"])
+def test_inputs_without_a_symbolic_context_take_dynamos_traced_fakes(monkeypatch, contexts):
+    """Where the backend finds no symbolic context of dynamo's for an input tensor, the propagation
+    takes the fake dynamo traced that placeholder with: the data tensors' fakes carry the graph's
+    length symbol (not a size of their own), parameters stay as given; and one dynamic graph
+    serves every later length, with eager's loss and gradients."""
+    from torch._guards import detect_fake_mode
+    import mambac.backend as backend_module
+    from mambac.backend import _dynamo_fakes
+    monkeypatch.setattr(backend_module, "_symbolic_contexts", lambda: None if contexts == "none" else {})
+    got = []
+
+    def grab(gm, example_inputs):
+        got.append(_dynamo_fakes(example_inputs, detect_fake_mode(list(example_inputs)), gm))
+        return gm.forward
+
+    model = tiny_lm("mamba2", n_layer=1)
+    compiled = torch.compile(model, backend=grab)
+    for seqlen in (8, 12):
+        compiled(torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen)))
+    data = [t for t in got[-1] if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+    lengths = {str(t) for t in got[-1] if isinstance(t, torch.SymInt)}
+    assert len(data) == 2 and len(lengths) == 1
+    assert all(isinstance(t.shape[1], torch.SymInt) and str(t.shape[1]) in lengths for t in data)
+    assert any(isinstance(t, nn.Parameter) for t in got[-1])
+
+    torch._dynamo.reset()
+    backend = MambacBackend()
+    compiled = torch.compile(model, backend=backend)
+    for seqlen in (8, 12, 17):
+        ids, labels = torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen))
+        _check_parity(model, model, compiled, ids, labels)
+    assert len(backend.graphs) == 2
+
+
 def _remat_regions(lowered) -> list[str]:
     return [n.name for n in lowered.gm.graph.nodes if n.op == "call_module" and n.name.startswith("remat_")]
 
