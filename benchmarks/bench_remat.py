@@ -139,10 +139,11 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
         model.zero_grad(set_to_none=True)
         _step(compiled, ids, labels, device, opt)
     if device.type == "cuda":
-        if args.cuda_graphs:   # the capture allocates the step's tensors in the pool: their live peak
+        if args.cuda_graphs:
+            # the capture allocates the step's tensors in the pool: their live peak
             print(f"remat={mode}: peak allocated over the warm-up steps and the capture "
                   f"{human(torch.cuda.max_memory_allocated())}")
-        if args.cuda_graphs:   # the warm-up's cached blocks go back: what stays reserved is what the step holds
+            # the warm-up's cached blocks go back: what stays reserved is what the step holds
             gc.collect()
             torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
