@@ -246,17 +246,24 @@ def test_new_lengths_recompile_once(name):
     assert _fusions(backend.graphs[1]) == {k: v // 2 for k, v in EXPECTED_FUSIONS[name].items()}
 
 
+def _over_three_lengths(model: nn.Module):
+    """(backend, compiled): ``model`` under ``torch.compile`` with a fresh ``MambacBackend``, run
+    with labels at lengths 8, 12 and 17, each with eager's loss and gradients."""
+    backend = MambacBackend()
+    compiled = torch.compile(model, backend=backend)
+    for seqlen in (8, 12, 17):
+        ids, labels = torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen))
+        _check_parity(model, model, compiled, ids, labels)
+    return backend, compiled
+
+
 def test_lm_loss_is_fused_and_new_lengths_keep_one_dynamic_graph():
     """With labels the LM head and its cross-entropy (``F.linear`` in dynamo's graph) become one
     chunked ``linear_cross_entropy`` op, as through ``mambac.compile``; the op is one node for any
     token count, so after the second length one dynamic graph serves the rest, with eager's loss
     and gradients (also under bf16 autocast, with the bf16 head the unfused loss would run)."""
     model = tiny_lm("mamba2")
-    backend = MambacBackend()
-    compiled = torch.compile(model, backend=backend)
-    for seqlen in (8, 12, 17):
-        ids, labels = torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen))
-        _check_parity(model, model, compiled, ids, labels)
+    backend, compiled = _over_three_lengths(model)
     assert len(backend.graphs) == 2
     assert [g.ctx.stats["fuse_loss"].counts["linear_cross_entropy"] for g in backend.graphs] == [1, 1]
     ids, labels = torch.randint(0, 37, (2, 12)), torch.randint(0, 37, (2, 12))
@@ -267,6 +274,20 @@ def test_lm_loss_is_fused_and_new_lengths_keep_one_dynamic_graph():
     assert got.dtype == want.dtype == torch.float32 and rel_err(got, want) <= 1e-2
 
 
+def _assert_fakes_carry_the_length(grab) -> None:
+    """Compile a one-layer LM with the backend ``grab`` (which keeps the fakes it propagates as
+    ``grab.got``) at two lengths: the data tensors' fakes of the second, dynamic graph carry the
+    graph's own length symbol, and parameters stay as given."""
+    compiled = torch.compile(tiny_lm("mamba2", n_layer=1), backend=grab)
+    for seqlen in (8, 12):
+        compiled(torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen)))
+    data = [t for t in grab.got if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+    lengths = {str(t) for t in grab.got if isinstance(t, torch.SymInt)}
+    assert len(data) == 2 and len(lengths) == 1
+    assert all(isinstance(t.shape[1], torch.SymInt) and str(t.shape[1]) in lengths for t in data)
+    assert any(isinstance(t, nn.Parameter) for t in grab.got)
+
+
 def test_shapes_are_propagated_from_dynamos_own_fake_inputs():
     """The backend fakifies the real inputs with the symbolic contexts dynamo traced them with (as
     AOTAutograd does), so their fakes carry dynamo's own length symbol, the graph's SymInt input.
@@ -275,7 +296,7 @@ def test_shapes_are_propagated_from_dynamos_own_fake_inputs():
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
     from mambac.backend import _dynamo_fakes
-    got, contexts = [], []
+    contexts = []
 
     class Recording(FakeTensorMode):
         def from_tensor(self, t, *args, **kwargs):
@@ -285,18 +306,11 @@ def test_shapes_are_propagated_from_dynamos_own_fake_inputs():
     def grab(gm, example_inputs):
         mode = Recording(shape_env=detect_fake_mode(list(example_inputs)).shape_env)
         contexts.clear()
-        got.append(_dynamo_fakes(example_inputs, mode))
+        grab.got = _dynamo_fakes(example_inputs, mode)
         return gm.forward
 
-    model = tiny_lm("mamba2", n_layer=1)
-    compiled = torch.compile(model, backend=grab)
-    for seqlen in (8, 12):
-        compiled(torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen)))
-    data = [t for t in got[-1] if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
-    lengths = {str(t) for t in got[-1] if isinstance(t, torch.SymInt)}
-    assert len(data) == 2 and len(lengths) == 1 and len(contexts) == 2 and None not in contexts
-    assert all(isinstance(t.shape[1], torch.SymInt) and str(t.shape[1]) in lengths for t in data)
-    assert any(isinstance(t, nn.Parameter) for t in got[-1])
+    _assert_fakes_carry_the_length(grab)
+    assert len(contexts) == 2 and None not in contexts
 
 
 @pytest.mark.parametrize("contexts", ["none", "empty"])
@@ -309,28 +323,14 @@ def test_inputs_without_a_symbolic_context_take_dynamos_traced_fakes(monkeypatch
     import mambac.backend as backend_module
     from mambac.backend import _dynamo_fakes
     monkeypatch.setattr(backend_module, "_symbolic_contexts", lambda: None if contexts == "none" else {})
-    got = []
 
     def grab(gm, example_inputs):
-        got.append(_dynamo_fakes(example_inputs, detect_fake_mode(list(example_inputs)), gm))
+        grab.got = _dynamo_fakes(example_inputs, detect_fake_mode(list(example_inputs)), gm)
         return gm.forward
 
-    model = tiny_lm("mamba2", n_layer=1)
-    compiled = torch.compile(model, backend=grab)
-    for seqlen in (8, 12):
-        compiled(torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen)))
-    data = [t for t in got[-1] if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
-    lengths = {str(t) for t in got[-1] if isinstance(t, torch.SymInt)}
-    assert len(data) == 2 and len(lengths) == 1
-    assert all(isinstance(t.shape[1], torch.SymInt) and str(t.shape[1]) in lengths for t in data)
-    assert any(isinstance(t, nn.Parameter) for t in got[-1])
-
+    _assert_fakes_carry_the_length(grab)
     torch._dynamo.reset()
-    backend = MambacBackend()
-    compiled = torch.compile(model, backend=backend)
-    for seqlen in (8, 12, 17):
-        ids, labels = torch.randint(0, 37, (2, seqlen)), torch.randint(0, 37, (2, seqlen))
-        _check_parity(model, model, compiled, ids, labels)
+    backend, _ = _over_three_lengths(tiny_lm("mamba2", n_layer=1))
     assert len(backend.graphs) == 2
 
 
