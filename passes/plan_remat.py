@@ -328,19 +328,24 @@ def _regions(choice) -> tuple[RegionSpec, ...]:
     return tuple(r for o in choice for r in o.regions)
 
 
-GRAPH_BUFFERS = " (with cuda_graphs=True, and the graphs' static gradient buffers)"
+STEP_PARTS = ("this rank's parameters, their gradients, AdamW's moments and the loss's backward workspace "
+              "(with cuda_graphs=True, and the graphs' static gradient buffers)")
 ADAMW_STATE_BYTES = 8   # per trainable parameter element: AdamW's two fp32 moments
+
+
+def gradient_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes of one gradient per trainable parameter of this rank (same dtype; tied weights once).
+    With ``cuda_graphs=True`` a step holds them twice: the backward graph's static buffers in the
+    graphs' pool, and the ``.grad`` tensors autograd copies them into."""
+    return sum(p.numel() * p.element_size() for p in gm.parameters() if p.requires_grad)
 
 
 def training_state_bytes(gm: torch.fx.GraphModule) -> int:
     """Bytes of this rank's parameters, their gradients and AdamW's moments (what
     ``memory_budget_scope='step'`` counts besides the saved activations)."""
-    total = 0
-    for p in gm.parameters():   # each tensor once (tied weights too)
-        total += p.numel() * p.element_size()
-        if p.requires_grad:
-            total += p.numel() * (p.element_size() + ADAMW_STATE_BYTES)
-    return total
+    trainable = sum(p.numel() for p in gm.parameters() if p.requires_grad)   # each tensor once
+    return sum(p.numel() * p.element_size() for p in gm.parameters()) + gradient_bytes(gm) \
+        + trainable * ADAMW_STATE_BYTES
 
 
 def loss_workspace_bytes(gm: torch.fx.GraphModule) -> int:
@@ -365,24 +370,15 @@ def loss_workspace_bytes(gm: torch.fx.GraphModule) -> int:
     return most
 
 
-def graph_buffer_bytes(gm: torch.fx.GraphModule) -> int:
-    """Bytes a training step replayed from CUDA graphs (``cuda_graphs=True``) holds besides
-    ``training_state_bytes``: the backward graph's static gradient buffers, one per trainable
-    parameter in the graphs' pool, which live beside the ``.grad`` tensors autograd copies them
-    into."""
-    return sum(p.numel() * p.element_size() for p in gm.parameters() if p.requires_grad)
-
-
 def step_state_bytes(gm: torch.fx.GraphModule, cuda_graphs: bool = False) -> int:
     """What ``memory_budget_scope='step'`` takes off the budget before the saved activations."""
-    return training_state_bytes(gm) + loss_workspace_bytes(gm) + (graph_buffer_bytes(gm) if cuda_graphs else 0)
+    return training_state_bytes(gm) + loss_workspace_bytes(gm) + (gradient_bytes(gm) if cuda_graphs else 0)
 
 
 def _too_small(budget: int, minimum: int, model: MemoryModel, fixed: int = 0) -> MambacOptionsError:
     b, l = model.example
-    step = (f" (memory_budget_scope='step': {fixed} bytes ({human(fixed)}) of it go to the parameters, their "
-            "gradients, AdamW's moments and the loss's backward workspace, and with cuda_graphs=True the "
-            "graphs' gradient buffers)") if fixed else ""
+    step = (f" (memory_budget_scope='step': {fixed} bytes ({human(fixed)}) of it go to "
+            f"{STEP_PARTS})") if fixed else ""
     return MambacOptionsError(
         f"memory_budget={budget + fixed} bytes ({human(budget + fixed)}) cannot be met for this program at B={b}, "
         f"L={l}{step}: even with every block and the head recomputed, autograd keeps {minimum} bytes "
@@ -458,13 +454,11 @@ def activation_budget(gm: torch.fx.GraphModule, opts) -> tuple[int | None, int]:
     budget = getattr(opts, "memory_budget", None)
     if budget is None or getattr(opts, "memory_budget_scope", "activations") != "step":
         return budget, 0
-    graphs = bool(getattr(opts, "cuda_graphs", False))
-    fixed = step_state_bytes(gm, graphs)
+    fixed = step_state_bytes(gm, bool(getattr(opts, "cuda_graphs", False)))
     if fixed >= budget:
         raise MambacOptionsError(
             f"memory_budget={budget} bytes ({human(budget)}) with memory_budget_scope='step' leaves nothing for "
-            f"activations: this rank's parameters, their gradients, AdamW's moments and the loss's backward "
-            f"workspace{GRAPH_BUFFERS if graphs else ''} alone take {fixed} bytes "
+            f"activations: {STEP_PARTS} alone take {fixed} bytes "
             f"({human(fixed)}). Raise memory_budget, shard the model over more ranks (tp), or use "
             "memory_budget_scope='activations' to budget the saved activations alone.")
     return budget - fixed, fixed
