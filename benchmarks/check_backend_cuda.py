@@ -8,13 +8,17 @@ recompile reasons are printed as they happen (``TORCH_LOGS=recompiles``), so a l
 compiles again says which guard failed.
 
 Usage (a CUDA machine, from the repository root):
-``python3 benchmarks/check_backend_cuda.py [0|1] [variant ...]`` (1, the default: backward through
-AOTAutograd; 0: ``trace_backward=False``; variants: any of mamba2, mamba1, mamba3_siso, default all).
+``python3 benchmarks/check_backend_cuda.py [0|1] [--guards] [variant ...]`` (1, the default: backward
+through AOTAutograd; 0: ``trace_backward=False``; variants: any of mamba2, mamba1, mamba3_siso, default
+all).  ``--guards`` also prints every size symbol that a graph's shape environment replaces by a
+constant, with the frames (mambac's and torch.nn.functional's) that made it do so: where a length
+gets pinned.
 """
 from __future__ import annotations
 
 import copy
 import sys
+import traceback
 
 import torch
 import torch._dynamo
@@ -26,6 +30,21 @@ from tests.models.tiny import tiny_lm  # noqa: E402
 
 
 VARIANTS = ("mamba2", "mamba1", "mamba3_siso")
+
+
+def trace_specialisations() -> None:
+    """Print each replacement of a size symbol by a number, with the frames that asked for it."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    original = ShapeEnv._set_replacement
+
+    def traced(self, a, tgt, msg):
+        if getattr(tgt, "is_number", False):
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/mambac/" in f.filename or "functional.py" in f.filename]
+            where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames[::-1][:6])
+            print(f"specialised {a} = {tgt} ({msg}) at {where or 'torch internals'}", flush=True)
+        return original(self, a, tgt, msg)
+    ShapeEnv._set_replacement = traced
 
 
 def main(trace_backward: bool, variants: tuple[str, ...] = VARIANTS) -> None:
@@ -55,6 +74,9 @@ def main(trace_backward: bool, variants: tuple[str, ...] = VARIANTS) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     flag = args.pop(0) if args and args[0] in ("0", "1") else "1"
+    if "--guards" in args:
+        args.remove("--guards")
+        trace_specialisations()
     unknown = [a for a in args if a not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}: choose from {VARIANTS}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_fwd import cb_tile
 from mambac.codegen.render_common import (FOLD_ARGS, NEG, dense_store, dense_tile, dot, emit_descriptor_rows,
-                                          emit_dims, emit_positions, fold_state, header, seq_tile, state_tile,
+                                          emit_dims, emit_positions, fold_dot, header, seq_tile, state_tile,
                                           to_io)
 from mambac.codegen.writer import Writer
 
@@ -39,7 +39,7 @@ def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False, fold: bool = Fals
     (batch*seqlen, groups*dstate), ``dsd`` over dS as (batch*chunks*heads*headdim, dstate),
     ``cbd`` over B C^T as (batch*chunks*groups*chunk, chunk), ``dyd`` over dy as
     (batch*seqlen, heads*headdim)); only for EVEN launches.  ``fold`` (context parallelism,
-    ``ssd_dx_fold``): dS comes with the later ranks' part added on load (``fold_state``)."""
+    ``ssd_dx_fold``): the later ranks' part of dS enters as a second dot (``render_common.fold_dot``)."""
     q, io = r.chunk_size, r.tl_io
     name = "ssd_dx" + ("_fold" if fold else "")
     w = Writer()
@@ -47,7 +47,7 @@ def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False, fold: bool = Fals
     args = ["x_ptr", "b_ptr", "cb_ptr", "dy_ptr"] + (["d_ptr", "dd_ptr"] if r.d_mode != "none" else [])
     args += ["dx_ptr", "dtp_ptr", "cs_ptr", "dsout_ptr"] + (FOLD_ARGS if fold else [])
     args += ["ddtd_ptr", "L", "H", "HPG", "NC", "P", "N", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg"]
-    args += ["bd", "dsd", "cbd", "dyd"] if tma else []
+    args += ["bd", "dsd", "cbd", "dyd"] + (["fsd"] if fold else []) if tma else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "EVEN: tl.constexpr"]
     w.line("@triton.jit")
@@ -78,9 +78,10 @@ def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False, fold: bool = Fals
                 w.line(f"ds = tl.trans(dsd.load([((bi * NC + pid_c) * H + {h}) * P, 0]))")
             else:
                 w.line("ds = " + state_tile("dsout_ptr", f"(bi64 * NC + pid_c) * H + {h}", True))
+            part = dot(r, 'b_s', f'ds.to({io})')
             if fold:
-                w.line("ds = " + fold_state(r, "ds", f"bi64 * H + {h}", "pid_c", True))
-            w.line(f"acc_{j} = {dot(r, 'b_s', f'ds.to({io})')} * tl.exp(cend - cs_r_{j})")
+                part = f"({part} + {fold_dot(r, w, 'b_s', f'bi64 * H + {h}', f'bi * H + {h}', 'pid_c', True, tma)})"
+            w.line(f"acc_{j} = {part} * tl.exp(cend - cs_r_{j})")
         w.comment("intra-chunk path: targets t >= s, first the tiles past r")
         with w.block(f"for k0 in range(dend, {q}, BK):"):
             _dx_targets(w, r, heads, diagonal=False, tma=tma)
@@ -146,7 +147,7 @@ def render_dbc(r: SSDRegion, which: str, tma: bool = False, fold: bool = False) 
     dy (dc) or x (db) as (batch*seqlen, heads*headdim), ``sd`` over the states (S_in for dc, dS
     for db) as (batch*chunks*heads*headdim, dstate), ``dcbd`` over the dCB parts as
     (splits*batch*chunks*groups*chunk, chunk).  ``fold`` (db only, context parallelism,
-    ``ssd_db_fold``): dS comes with the later ranks' part added on load (``fold_state``)."""
+    ``ssd_db_fold``): the later ranks' part of dS enters as a second dot (``render_common.fold_dot``)."""
     if which not in ("b", "c"):
         raise ValueError("which must be 'b' or 'c'")
     if fold and which != "b":
@@ -160,7 +161,7 @@ def render_dbc(r: SSDRegion, which: str, tma: bool = False, fold: bool = False) 
             "sin_ptr" if which == "c" else "dsout_ptr"] + (FOLD_ARGS if fold else []) + ["dcb_ptr", "out_ptr",
             "es_ptr" if which == "c" else "v_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
             "HS", "NS", "DS", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg"]
-    args += ["ownd", "hd", "sd", "otherd", "dcbd"] if tma else []
+    args += ["ownd", "hd", "sd", "otherd", "dcbd"] + (["fsd"] if fold else []) if tma else []
     args += ["BT: tl.constexpr", "BS: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "EVEN: tl.constexpr"]
     rows = "t" if which == "c" else "s"
@@ -216,9 +217,10 @@ def _db_state_path(w: Writer, r: SSDRegion, tma: bool = False, fold: bool = Fals
     w.line(f"cend = tl.load(cs_ptr + row + {q - 1})")
     _state_row_tiles(w, "x_s", seq_tile("x_ptr", "bi64 * sxb + hh * sxh", "pos_s", "sxl", "offs_p",
                                         "v_s", "m_p"), "dsout_ptr", tma)
+    part = dot(r, 'x_s', f'st.to({r.tl_io})')
     if fold:
-        w.line("st = " + fold_state(r, "st", "bi64 * H + hh", "pid_c", False))
-    w.line(f"f = {dot(r, 'x_s', f'st.to({r.tl_io})')} * (dt_r * tl.exp(cend - cs_r))[:, None]")
+        part = f"({part} + {fold_dot(r, w, 'x_s', 'bi64 * H + hh', 'bi * H + hh', 'pid_c', False, tma)})"
+    w.line(f"f = {part} * (dt_r * tl.exp(cend - cs_r))[:, None]")
     w.line("acc += f")
     w.line("tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=in_s)")
 

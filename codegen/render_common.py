@@ -76,16 +76,25 @@ def to_io(r: SSDRegion, expr: str) -> str:
 # zero start (and, in the backward, the state gradients it computes from its own final-state
 # gradient) are linear in what the other ranks send, one (headdim x dstate) tile per (batch, head).
 # A kernel that takes a fold reads state (b, c, h) as  S + fw[b, h, c] * fs[b, h]  (fw: (b, h, nc)
-# fp32 weights, fs: (b, h, p, n) in the io dtype), so the folded states are never written apart.
+# fp32 weights, fs: (b, h, p, n) in the io dtype, or through the descriptor ``fsd`` over it as
+# (b*h*p, n)).  It never forms that sum in its loop: a dot with the state is linear in it, so the
+# fold enters as a second dot with ``fs``, weighted by ``fw`` in fp32.
 FOLD_ARGS = ["fs_ptr", "fw_ptr"]
 
 
-def fold_state(r: SSDRegion, tile: str, bh: str, chunk: str, transpose: bool) -> str:
-    """Text of the state tile ``tile`` with the fold added: ``bh`` the flat (batch, head) index,
-    ``chunk`` the chunk, ``transpose`` as for ``state_tile``; summed in fp32, rounded to the io
-    dtype once."""
-    weight = f"tl.load(fw_ptr + ({bh}) * NC + {chunk})"
-    return to_io(r, f"{tile}.to(tl.float32) + {weight} * {state_tile('fs_ptr', bh, transpose)}.to(tl.float32)")
+def fold_dot(r: SSDRegion, w, a: str, bh: str, bh32: str, chunk: str, transpose: bool, tma: bool,
+             tag: str = "") -> str:
+    """Emit the loads of one (batch, head)'s fold (``fw{tag}``, ``fs{tag}``) and return the text of
+    its fp32 term of ``dot(a, state)``: ``fw * dot(a, fs)``.  ``bh``: the flat (batch, head)
+    index (int64), ``bh32`` the same in int32 for a descriptor; ``transpose`` as for
+    ``state_tile``; ``tma``: fs through ``fsd``."""
+    w.line(f"fw{tag} = tl.load(fw_ptr + ({bh}) * NC + {chunk})")
+    if tma:
+        tile = f"fsd.load([({bh32}) * P, 0])"
+        w.line(f"fs{tag} = " + (f"tl.trans({tile})" if transpose else tile))
+    else:
+        w.line(f"fs{tag} = " + state_tile("fs_ptr", bh, transpose))
+    return f"fw{tag} * {dot(r, a, f'fs{tag}')}"
 
 
 def dt_args(region: SSDRegion) -> list[str]:

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 from mambac.codegen.kernel_ir import SSDRegion
 from mambac.codegen.render_common import (FOLD_ARGS, NEG, dense_store, dense_tile, dot, dt_args, dt_call,
                                           emit_descriptor_rows, emit_dims, emit_dt_helpers,
-                                          emit_positions, fold_state, header, inside,
+                                          emit_positions, fold_dot, header, inside,
                                           load_bias, seq_tile, state_tile, to_io)
 from mambac.codegen.writer import Writer
 
@@ -226,9 +226,10 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
                       fold: bool = False) -> str:
     """Kernel 3 (forward output), or the backward's gate step (mode "gate_backward").
 
-    ``fold`` (forward only; context parallelism): the states come from a zero start and the kernel
-    adds the incoming state's part as it loads them (``render_common.fold_state``), and the first
-    row tile of each (chunk, head) stores the folded state in ``so_ptr`` for the backward.
+    ``fold`` (forward only; context parallelism): the states come from a zero start, and the
+    incoming state's part enters as a second dot, ``C fs`` weighted by ``fw`` (``render_common``'s
+    fold: the state read is S + fw fs), so the summed state is never formed in the loop; the first
+    row tile of each (chunk, head) forms it once and stores it in ``so_ptr`` for the backward.
 
     ``tma``: the tiles of C, of the incoming states, of C B^T and of the partners' x come through
     tensor descriptors (``xd`` over x as (batch*seqlen, heads*headdim), ``cd`` over C as
@@ -254,7 +255,8 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
     args += ["C_LO", "L", "H", "HPG", "NC", "P", "N",
              "sxb", "sxl", "sxh", "scb", "scl", "scg"]
     args += ["szb", "szl", "szh"] if r.has_z else []
-    args += ["xd", "cd", "sd", "cbd"] + (["yd"] if mode == "forward" else []) if tma else []
+    args += ["xd", "cd", "sd", "cbd"] + (["yd"] if mode == "forward" else []) + (["fsd"] if fold else []) \
+        if tma else []
     args += ["BM: tl.constexpr", "BK: tl.constexpr", "PP: tl.constexpr", "NP: tl.constexpr",
              "EVEN: tl.constexpr"]
     w.line('@triton.jit(do_not_specialize=["C_LO"])  # the segments of one forward share a binary')
@@ -274,25 +276,31 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
                 tile = f"tl.trans(sd.load([((bi * NC + pid_c) * H + h0 + {j}) * P, 0]))"
             else:
                 tile = state_tile("sin_ptr", f"(bi64 * NC + pid_c) * H + h0 + {j}", True)
-            return fold_state(r, tile, f"bi64 * H + h0 + {j}", "pid_c", True) if fold else tile
+            return tile
 
-        def keep(j: int) -> None:
+        def fold_term(j: int) -> str:
+            term = fold_dot(r, w, "c_t", f"bi64 * H + h0 + {j}", f"bi * H + h0 + {j}", "pid_c", True, tma, f"_{j}")
             with w.block("if pid_m == 0:"):
+                w.comment("the folded state, summed in fp32 and rounded once, for the backward")
+                summed = to_io(r, f"st_{j}.to(tl.float32) + fw_{j} * fs_{j}.to(tl.float32)")
                 w.line(f"tl.store(so_ptr + ((bi64 * NC + pid_c) * H + h0 + {j}) * P * N + offs_p[None, :] * N"
-                       f" + offs_n[:, None], st_{j}, mask=m_n[:, None] & m_p[None, :])")
-        emit_scan_rows(w, r, heads, "pid_m * BM", mode, state, even=True, tma=tma, keep=keep if fold else None)
+                       f" + offs_n[:, None], {summed}, mask=m_n[:, None] & m_p[None, :])")
+            return term
+        emit_scan_rows(w, r, heads, "pid_m * BM", mode, state, even=True, tma=tma,
+                       fold=fold_term if fold else None)
     return w.source()
 
 
 def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
                    state: Callable[[int], str], even: bool = False, tma: bool = False,
-                   keep: Optional[Callable[[int], None]] = None) -> None:
+                   fold: Optional[Callable[[int], str]] = None) -> None:
     """One row tile of the chunk scan (rows ``start`` .. ``start`` + BM) for ``heads`` heads of one
     group, through the epilogue; ``state(j)`` is the text of head j's incoming state as a
     (dstate x headdim) tile in the io dtype.  Needs ``cb_base`` (with ``tma``: ``seq0`` and
     ``cb_row``) and the dims' offsets; ``even``: the bounds masks take the kernel's EVEN constexpr
     (``render_common.emit_positions``); ``tma``: C, C B^T and x through the descriptors of
-    ``render_chunk_scan``; ``keep(j)`` emits what follows head j's state tile ``st_j``."""
+    ``render_chunk_scan``; ``fold(j)`` emits what follows head j's state tile ``st_j`` and gives
+    the text of an fp32 term added to ``C st_j`` before the decay."""
     q = r.chunk_size
     emit_positions(w, "t", start, "BM", q, even)
     if tma:
@@ -320,9 +328,10 @@ def emit_scan_rows(w: Writer, r: SSDRegion, heads: int, start: str, mode: str,
         with w.block("if BK == BM:"):
             w.line(f"dt_d_{j} = tl.load(dtp_ptr + row_{j} + t, mask={inside('t', q, even)}, other=0.0)")
         w.line(f"st_{j} = {state(j)}")
-        if keep is not None:
-            keep(j)
-        w.line(f"acc_{j} = {dot(r, 'c_t', f'st_{j}')} * tl.exp(cs_r_{j})")
+        part = dot(r, 'c_t', f'st_{j}')
+        if fold is not None:
+            part = f"({part} + {fold(j)})"
+        w.line(f"acc_{j} = {part} * tl.exp(cs_r_{j})")
     w.comment("causal intra-chunk part; C B^T (from ssd_chunk_cb) is shared by the heads")
     with w.block("for k0 in range(0, off, BK):"):
         chunk_scan_partners(w, r, heads, diagonal=False, even=even, tma=tma, start=start, given=("cs_nx", "dt_nx"))

@@ -337,8 +337,8 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
                    fold: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
     """Kernel 3: y for chunks ``lo`` .. ``hi`` (default: all; into ``y`` when given), with the D
     skip and z gate fused.  ``fold`` (context parallelism): (fs, fw, out), the incoming state's
-    part added to the zero-start states ``sin`` as they load (``render_common.fold_state``); the
-    folded states are stored in ``out``."""
+    part added to the zero-start states ``sin`` as a second dot (``render_fwd.render_chunk_scan``);
+    the folded states are stored in ``out``."""
     d, r = pr.dims, pr.region
     y = dense_out(pr, pr.x.dtype) if y is None else y
     hi = d.nc if hi is None else hi
@@ -349,7 +349,8 @@ def run_chunk_scan(pr: Prepared, dtp: Tensor, cs: Tensor, sin: Tensor, cb: Tenso
         even = even_tiles(d, cfg.block_m, cfg.block_k)
         descs = tma.launch_descriptors(cfg, even, "chunk scan", [
             (pr.x, 2, (cfg.block_k, d.p)), (pr.C, 2, (cfg.block_m, d.n)), (sin, 4, (d.p, d.n)),
-            (cb, 4, (cfg.block_m, cfg.block_k)), (y, 2, (cfg.block_m, d.p))])
+            (cb, 4, (cfg.block_m, cfg.block_k)), (y, 2, (cfg.block_m, d.p))]
+            + ([(fold[0], 3, (d.p, d.n))] if fold is not None else []))
         kern.launch((cdiv(d.q, cfg.block_m), hi - lo, d.b * d.h // cfg.heads),
                     head + [y, dtp, cs, sin] + folds + [lo] + scan_args(pr) + descs,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)

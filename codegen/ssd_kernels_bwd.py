@@ -145,7 +145,7 @@ def run_states_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor):
 
 def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor, fold: Optional[tuple] = None):
     """(dx, the direct part of ddt, dD parts or None); ``fold`` (context parallelism): (fs, fw),
-    added to ``dsout`` as it loads (``render_common.fold_state``)."""
+    whose part of ``dsout`` enters as a second dot (``render_common.fold_dot``)."""
     d, r = pr.dims, pr.region
     dx = dense_out(pr, pr.x.dtype)
     ddtd = torch.empty_like(saved.cs)
@@ -160,7 +160,7 @@ def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor, fold: Optio
         even = even_tiles(d, cfg.block_m, cfg.block_k)
         args += tma.launch_descriptors(cfg, even, "dx", [
             (pr.B, 2, (cfg.block_m, d.n)), (dsout, 4, (d.p, d.n)), (saved.cbt, 4, (cfg.block_m, cfg.block_k)),
-            (dy, 2, (cfg.block_k, d.p))])
+            (dy, 2, (cfg.block_k, d.p))] + ([(fold[0], 3, (d.p, d.n))] if fold is not None else []))
         kern.launch((nm, d.nc, d.b * d.h // cfg.heads), args,
                     dict(BM=cfg.block_m, BK=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return dd
@@ -220,7 +220,8 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
         own, other = (pr.C, pr.B) if which == "c" else (pr.B, pr.C)
         args += tma.launch_descriptors(cfg, even, f"d{which}", [
             (own, 2, (bt, d.n)), (dy if which == "c" else pr.x, 2, (bt, d.p)), (state, 4, (d.p, d.n)),
-            (other, 2, (bs, d.n)), (dcb, 5, (bt, bs) if which == "c" else (bs, bt))])
+            (other, 2, (bs, d.n)), (dcb, 5, (bt, bs) if which == "c" else (bs, bt))]
+            + ([(fold[0], 3, (d.p, d.n))] if fold is not None else []))
         kern.launch((cdiv(d.q, cfg.block_m), d.nc, d.b * d.g * cfg.splits), args,
                     dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return out

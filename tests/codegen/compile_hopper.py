@@ -69,7 +69,9 @@ def cases() -> list[tuple]:
     tiles = dict(BT=64, BS=32, PP=64, NP=128, EVEN=True)
     for tma in (False, True):
         tag = "_tma" if tma else ""
-        scan, dx, db = (SCAN_DESCRIPTORS, DX_DESCRIPTORS, DB_DESCRIPTORS) if tma else ({}, {}, {})
+        fsd = dict(fsd=(64, 128))   # the fold's (headdim x dstate) tile
+        scan, dx, db = (dict(SCAN_DESCRIPTORS, **fsd), dict(DX_DESCRIPTORS, **fsd), dict(DB_DESCRIPTORS, **fsd)) \
+            if tma else ({}, {}, {})
         out += [(f"ssd_chunk_scan_fold{tag}", render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True),
                  SCAN, scan),
                 (f"ssd_dx_fold{tag}", render_bwd_tiles.render_dx(r, 1, tma, fold=True), SCAN, dx),

@@ -293,23 +293,34 @@ def test_state_walk_sources_in_order():
 
 @pytest.mark.parametrize("tma", [False, True])
 def test_fold_forms_add_the_fold_as_they_load_the_states(tma):
-    """Context parallelism's fold forms: the chunk scan adds fw[b, h, c] * fs[b, h] to each
-    zero-start state as it loads it, before the state's dot with C, and its first row tile stores
-    the sum; dx and dB add the fold to each leaving-state gradient before their dots.  The plain
-    kernels take no fold, and only those three have a fold form."""
+    """Context parallelism's fold forms: the chunk scan adds fw[b, h, c] * (C fs[b, h]) to the
+    zero-start state's dot with C, as a second dot (the summed state is formed only by the first
+    row tile, which stores it); dx and dB likewise add a second dot with the later ranks' part of
+    each leaving-state gradient.  The plain kernels take no fold, and only those three have a fold
+    form."""
     r = region(has_initial_state=False)
     scan = render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True)
+    fs = ("fs_0 = tl.trans(fsd.load([(bi * H + h0 + 0) * P, 0]))" if tma
+          else "fs_0 = tl.load(fs_ptr + (bi64 * H + h0 + 0)")
     assert_in_order(scan, "def ssd_chunk_scan_fold(", "sin_ptr, fs_ptr, fw_ptr, so_ptr, C_LO",
-                    "st_0 = ", "tl.load(fw_ptr + (bi64 * H + h0 + 0) * NC + pid_c)", "tl.load(fs_ptr + (bi64 * H + h0 + 0)",
-                    "if pid_m == 0:", "tl.store(so_ptr + ((bi64 * NC + pid_c) * H + h0 + 0)", "acc_0 = tl.dot(c_t, st_0")
+                    *(["fsd, BM"] if tma else []),
+                    "st_0 = ", "fw_0 = tl.load(fw_ptr + (bi64 * H + h0 + 0) * NC + pid_c)", fs, "if pid_m == 0:",
+                    "tl.store(so_ptr + ((bi64 * NC + pid_c) * H + h0 + 0)",
+                    "(st_0.to(tl.float32) + fw_0 * fs_0.to(tl.float32))",
+                    "acc_0 = (tl.dot(c_t, st_0", "+ fw_0 * tl.dot(c_t, fs_0", ")) * tl.exp(cs_r_0)")
+    assert scan.count("tl.dot(c_t,") == 2
     dx = render_bwd_tiles.render_dx(r, 1, tma, fold=True)
-    assert_in_order(dx, "def ssd_dx_fold(", "dsout_ptr, fs_ptr, fw_ptr, ddtd_ptr", "ds = ",
-                    "ds = (ds.to(tl.float32) + tl.load(fw_ptr + (bi64 * H + h0 + 0) * NC + pid_c)",
-                    "acc_0 = tl.dot(b_s, ds.to(")
+    assert_in_order(dx, "def ssd_dx_fold(", "dsout_ptr, fs_ptr, fw_ptr, ddtd_ptr", *(["fsd, BM"] if tma else []),
+                    "ds = ", "fw = tl.load(fw_ptr + (bi64 * H + h0 + 0) * NC + pid_c)",
+                    "fs = tl.trans(fsd.load([(bi * H + h0 + 0) * P, 0]))" if tma else "fs = tl.load(fs_ptr + (",
+                    "acc_0 = (tl.dot(b_s, ds.to(", "+ fw * tl.dot(b_s, fs", ")) * tl.exp(cend - cs_r_0)")
     db = render_bwd_tiles.render_dbc(r, "b", tma, fold=True)
-    assert_in_order(db, "def ssd_db_fold(", "dsout_ptr, fs_ptr, fw_ptr, dcb_ptr", "st = ",
-                    "st = (st.to(tl.float32) + tl.load(fw_ptr + (bi64 * H + hh) * NC + pid_c)",
-                    "f = tl.dot(x_s, st.to(")
+    assert_in_order(db, "def ssd_db_fold(", "dsout_ptr, fs_ptr, fw_ptr, dcb_ptr", *(["fsd, BT"] if tma else []),
+                    "st = ", "fw = tl.load(fw_ptr + (bi64 * H + hh) * NC + pid_c)",
+                    "fs = fsd.load([(bi * H + hh) * P, 0])" if tma else "fs = tl.load(fs_ptr + (",
+                    "f = (tl.dot(x_s, st.to(", "+ fw * tl.dot(x_s, fs", ")) * (dt_r")
+    for src in (dx, db):
+        assert ".to(tl.float32) + fw" not in src   # the summed state is never formed
     for src in all_sources(r).values():
         assert "fs_ptr" not in src and "so_ptr" not in src
     with pytest.raises(ValueError, match="only the forward chunk scan"):
