@@ -10,10 +10,10 @@ chunk 256, bf16), times what one cp rank runs:
 - cp rank r (fold): ``cp_ssd_fused``, the form ``cp_ssd`` runs on generated kernels, for every
   rank of the four: the plain SSD's launches (states from zero by the walk, the chunk scan; the
   reverse walk and the rest of the backward), with the incoming state formed by one small launch
-  and added by the chunk scan as it loads the per-chunk states on ranks > 0, and the later ranks'
-  final-state gradient formed by one small launch and added by dx and dB as they load the state
-  gradients on ranks < 3, with the exchange given (gather: the gathered tensor with this rank's
-  summary in its slot);
+  and taken by the chunk scan as a second dot beside each per-chunk state's on ranks > 0, and the
+  later ranks' final-state gradient formed by one small launch and taken by dx and dB as a second
+  dot beside each state gradient's on ranks < 3, with the exchange given (gather: the gathered
+  tensor with this rank's summary in its slot);
 - cp, zero-start + correction: the earlier form (``cp_ssd_corrected``: zero-start scan, cumulative
   log-decay, prefix combine, output correction ``y0 + exp(cum) C S_in`` with the z gate), the
   all-gather replaced by the tensor it would return.

@@ -319,7 +319,7 @@ def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Te
     fp32, None where the region has no D / dt_bias.
     A caller that passes states its own way (context parallelism) supplies ``dsout``/``dtot``;
     ``pairs`` is the pair chain when the caller started it earlier (else it starts here, beside dx);
-    ``fold``: (fs, fw), a part dx and dB add to ``dsout`` as they load it (``run_dx``)."""
+    ``fold``: (fs, fw), a part of ``dsout`` that dx and dB take as a second dot (``run_dx``)."""
     d = pr.dims
     saved = with_cb(pr, saved)
     if pairs is None:

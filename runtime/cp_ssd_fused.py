@@ -11,8 +11,9 @@ Forward (the plain SSD's launches, plus one small launch on ranks > 0):
                       SSD takes them): this rank's summary is (F_local, T)
     S_in    = exclusive prefix combine of every rank's (F_local, T)   (after the all-gather)
               (``incoming_state``: S_in, the weights exp(P_c) and F = F_local + exp(T) S_in)
-    y       = chunk scan with sin_c = sin0_c + exp(P_c) S_in, formed as it loads each state, which
-              it also stores for the backward (the chunk scan's fold form); D skip, z gate fused
+    y       = chunk scan with sin_c = sin0_c + exp(P_c) S_in: C sin_c as C sin0_c + exp(P_c) C S_in,
+              two dots; its first row tile stores sin_c for the backward (the chunk scan's fold
+              form); D skip, z gate fused
 
 Backward, given (dy, dF).  Later ranks read this rank's (F_local, T) only through
 ``F_local + exp(T) S_in``, which is F, the final state from S_in: the gradient they send back,
@@ -32,7 +33,7 @@ accounted for by their own weights on F_local):
    gradient (``outgoing_gradient``: one launch forms dF_ext, the weights and the decay-gradient
    parts).  The last rank has no later ranks: dF_ext = 0 and step 1 is the answer.
 3. dx, dC (with the true sin), dB and the dt backward as in the plain SSD, dx and dB adding
-   the weighted dF_ext to each leaving-state gradient as they load it (their fold forms).
+   the weighted dF_ext's dot to their dot with each leaving-state gradient (their fold forms).
 
 Extra work over the local scan: the two small launches (the forward's reads the earlier ranks'
 final states, the backward's the later ranks' state gradients and the per-chunk states once), the
