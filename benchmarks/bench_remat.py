@@ -16,7 +16,10 @@ the Mamba-2 130M LM at batch 8 x 2048 under bf16 autocast, with remat none, full
 
 One row per mode: the budget, the saved-for-backward bytes mambac.memory predicts, the same bytes
 measured with saved-tensor hooks on a real step, the peak device memory of a training step
-(CUDA only: torch.cuda.max_memory_allocated, weights and gradients included) and tokens per
+(CUDA only: torch.cuda.max_memory_allocated, weights and gradients included, as ANCHORS measures
+peaks; with --cuda-graphs the most over the warm-up, the capture and the replays, since a replay
+allocates nothing), the memory reserved while the timed steps ran (with --cuda-graphs the graphs'
+private pool included) and tokens per
 second of forward + backward (mean over the timed steps) and its ratio to remat='none'.  The last
 line checks the issue's goal for 'auto': peak <= budget at >= 0.8x the tokens/s of 'none'.  With
 --tiny the budget defaults to 60% of what 'none' keeps, so that 'auto' has something to do at that
@@ -46,7 +49,8 @@ class Row:
     budget: int | None = None
     predicted: int | None = None
     measured: int | None = None
-    peak: int | None = None
+    peak: int | None = None          # torch.cuda.max_memory_allocated over the step (ANCHORS' peak)
+    reserved: int | None = None      # torch.cuda.max_memory_reserved while the timed steps ran
     tokens_per_s: float | None = None
     ratio: float | None = None       # tokens/s over remat='none''s
     error: str = ""
@@ -70,8 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="an AdamW step (fused on CUDA) after every backward: the peak then holds its state")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: compile with cuda_graphs=True (every mode), so the host's launch time is out of "
-                        "the step; the saved-tensor measurement is skipped and the peak is the memory reserved "
-                        "while the steps run (the graphs' pool included), after the warm-up's cache is emptied")
+                        "the step; the saved-tensor measurement is skipped, the peak allocated is the most over "
+                        "the warm-up, the capture and the replays, and the peak reserved includes the graphs' "
+                        "pool (measured after the warm-up's cache is emptied)")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: after each mode's timed steps, profile 2 more and print their GPU kernel time by "
                         "kind against the wall time (step_profile.py)")
@@ -138,11 +143,13 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
     for _ in range(max(args.warmup, 1 if opt else 0)):  # AdamW's state exists before the timed steps
         model.zero_grad(set_to_none=True)
         _step(compiled, ids, labels, device, opt)
+    warm_peak = 0
     if device.type == "cuda":
         if args.cuda_graphs:
-            # the capture allocates the step's tensors in the pool: their live peak
-            print(f"remat={mode}: peak allocated over the warm-up steps and the capture "
-                  f"{human(torch.cuda.max_memory_allocated())}")
+            # the capture allocates the step's tensors in the pool: their live peak (a replay
+            # allocates nothing, so the timed steps' own figure leaves the pool's tensors out)
+            warm_peak = torch.cuda.max_memory_allocated()
+            print(f"remat={mode}: peak allocated over the warm-up steps and the capture {human(warm_peak)}")
             # the warm-up's cached blocks go back: what stays reserved is what the step holds
             gc.collect()
             torch.cuda.empty_cache()
@@ -154,13 +161,9 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
         _step(compiled, ids, labels, device, opt)
     _sync(device)
     row.tokens_per_s = ids.numel() * args.steps / (time.perf_counter() - t0)
-    row.peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    if args.cuda_graphs and device.type == "cuda":
-        # a replay allocates nothing: the graphs' private pool, reserved at capture, holds the step's
-        # activations and temporaries, so the peak is the memory reserved while the steps ran
-        print(f"remat={mode}: peak allocated {human(row.peak)} outside the graphs' pool, peak reserved "
-              f"{human(torch.cuda.max_memory_reserved())} (the pool included): the peak column")
-        row.peak = torch.cuda.max_memory_reserved()
+    if device.type == "cuda":
+        row.peak = max(warm_peak, torch.cuda.max_memory_allocated())
+        row.reserved = torch.cuda.max_memory_reserved()   # with graphs: their private pool included
     if args.profile and device.type == "cuda":
         from step_profile import print_profile, profile_steps
 
@@ -175,9 +178,9 @@ def run_mode(model, ids, labels, mode: str, budget: int | None, args, device) ->
 def _fmt(row: Row) -> list[str]:
     size = lambda v: "-" if v is None else human(v)  # noqa: E731
     if row.error:
-        return [row.mode, size(row.budget), "error: " + row.error, "", "", "", ""]
+        return [row.mode, size(row.budget), "error: " + row.error, "", "", "", "", ""]
     return [row.mode, size(row.budget), size(row.predicted), size(row.measured), size(row.peak),
-            f"{row.tokens_per_s:,.0f}", "-" if row.ratio is None else f"{row.ratio:.2f}x"]
+            size(row.reserved), f"{row.tokens_per_s:,.0f}", "-" if row.ratio is None else f"{row.ratio:.2f}x"]
 
 
 def verdict(rows: list[Row], goal: int | None) -> str:
@@ -189,11 +192,13 @@ def verdict(rows: list[Row], goal: int | None) -> str:
     if auto.peak is None or goal is None:
         return f"goal: {speed}; peak not measured (CPU)"
     met = auto.peak <= goal and auto.ratio >= 0.8
-    return f"goal {'MET' if met else 'NOT met'}: peak {human(auto.peak)} vs {human(goal)}, {speed}"
+    return (f"goal {'MET' if met else 'NOT met'}: peak {human(auto.peak)} vs {human(goal)}, {speed} "
+            f"(peak: max_memory_allocated, as ../ANCHORS measures it; reserved {human(auto.reserved)})")
 
 
 def print_table(rows: list[Row], title: str) -> None:
-    head = ["remat", "budget", "predicted saved", "measured saved", "peak memory", "tokens/s", "vs none"]
+    head = ["remat", "budget", "predicted saved", "measured saved", "peak allocated", "peak reserved", "tokens/s",
+            "vs none"]
     body = [_fmt(r) for r in rows]
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     print(title)

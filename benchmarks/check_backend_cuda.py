@@ -35,16 +35,31 @@ VARIANTS = ("mamba2", "mamba1", "mamba3_siso")
 def trace_specialisations() -> None:
     """Print each replacement of a size symbol by a number, with the frames that asked for it."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    original = ShapeEnv._set_replacement
+    original, run_node = ShapeEnv._set_replacement, torch.fx.Interpreter.run_node
+    machinery = ("symbolic_shapes.py", "recording.py", "sym_node.py", "fake_tensor.py", "_stats.py",
+                 "torch/__init__.py")
+    running: list = []
 
     def traced(self, a, tgt, msg):
         if getattr(tgt, "is_number", False):
-            frames = [f for f in traceback.extract_stack()[:-1]
-                      if "/mambac/" in f.filename or "functional.py" in f.filename]
-            where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames[::-1][:6])
-            print(f"specialised {a} = {tgt} ({msg}) at {where or 'torch internals'}", flush=True)
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith(machinery)]
+            where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames[::-1][:10])
+            node = running[-1].format_node() if running else "-"
+            print(f"specialised {a} = {tgt} ({msg}) running node {node} at {where}", flush=True)
+            if running:
+                vals = [(x.name, tuple(v.shape), v.stride(), v.dtype, type(v).__name__)
+                        for x in running[-1].all_input_nodes if hasattr(v := x.meta.get("val"), "stride")]
+                print(f"  its inputs (name, shape, stride, dtype, type): {vals}", flush=True)
         return original(self, a, tgt, msg)
+
+    def run_traced(self, n):
+        running.append(n)
+        try:
+            return run_node(self, n)
+        finally:
+            running.pop()
     ShapeEnv._set_replacement = traced
+    torch.fx.Interpreter.run_node = run_traced
 
 
 def main(trace_backward: bool, variants: tuple[str, ...] = VARIANTS) -> None:

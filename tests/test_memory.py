@@ -107,11 +107,31 @@ def test_explain_memory_and_table_agree_with_the_plan():
     assert "remat='none'" in report and "0 regions" in report
 
 
-def test_bench_remat_tiny_runs(capsys):
+def _bench_remat():
     spec = importlib.util.spec_from_file_location("bench_remat", ROOT / "benchmarks" / "bench_remat.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules["bench_remat"] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_remat_verdict_takes_the_allocated_peak_and_names_the_reserved_one():
+    """The goal's peak is torch.cuda.max_memory_allocated (as ANCHORS measures peaks); the memory
+    reserved is reported beside it, not judged."""
+    bench, gib = _bench_remat(), 2 ** 30
+    none = bench.Row(mode="none", peak=int(9.7 * gib), reserved=int(11.4 * gib), tokens_per_s=100.0, ratio=1.0)
+    auto = bench.Row(mode="auto", budget=8 * gib, peak=int(6.5 * gib), reserved=int(8.25 * gib),
+                     tokens_per_s=91.0, ratio=0.91)
+    text = bench.verdict([none, auto], 8 * gib)
+    assert text.startswith("goal MET") and "reserved 8.25 GiB" in text and "max_memory_allocated" in text
+    slow = bench.Row(mode="auto", budget=8 * gib, peak=int(6.5 * gib), reserved=gib, tokens_per_s=70.0, ratio=0.7)
+    big = bench.Row(mode="auto", budget=8 * gib, peak=int(8.1 * gib), reserved=gib, tokens_per_s=90.0, ratio=0.9)
+    assert bench.verdict([none, slow], 8 * gib).startswith("goal NOT met")
+    assert bench.verdict([none, big], 8 * gib).startswith("goal NOT met")
+
+
+def test_bench_remat_tiny_runs(capsys):
+    bench = _bench_remat()
     rows = bench.main(["--tiny"])
     out = capsys.readouterr().out
     assert [r.mode for r in rows] == ["none", "full", "auto"] and not any(r.error for r in rows)
