@@ -9,8 +9,9 @@ names the module and the construct and says what to do.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -124,6 +125,28 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+@contextlib.contextmanager
+def symbolic_dispatch(mode: FakeTensorMode | None) -> Iterator[None]:
+    """Where ``mode`` has symbolic sizes (a shape environment, as under dynamo), the Python
+    dispatcher on, as dynamo and AOTAutograd have it when they trace: some C++ composites
+    otherwise ask a fake tensor for concrete sizes, and each such question pins a dynamic size to
+    its value (torch 2.11's ``matmul`` behind ``F.linear`` pins the sequence length, and every new
+    length then compiles again).  Elsewhere nothing changes."""
+    from torch._dispatch.python import enable_python_dispatcher
+    if mode is None or getattr(mode, "shape_env", None) is None:
+        yield
+        return
+    with enable_python_dispatcher():
+        yield
+
+
+@contextlib.contextmanager
+def fake_running(mode: FakeTensorMode) -> Iterator[None]:
+    """Run ops on ``mode``'s fake tensors (``symbolic_dispatch`` as well)."""
+    with mode, symbolic_dispatch(mode):
+        yield
+
+
 def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: FakeTensorMode | None = None) -> None:
     """Fill ``node.meta['val']`` on every node by running the graph on fake tensors; the fake mode
     is kept in ``gm.meta`` so passes can compute the shapes of nodes they create."""
@@ -136,7 +159,8 @@ def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     cache_was = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
-        prop.propagate(*fakes)
+        with symbolic_dispatch(mode):
+            prop.propagate(*fakes)
     except MambacCaptureError:
         raise
     except Exception as exc:

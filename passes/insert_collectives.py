@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from mambac.capture import FAKE_MODE_KEY
+from mambac.capture import FAKE_MODE_KEY, symbolic_dispatch
 from mambac.errors import MambacPassError
 from mambac.ir import MESH, PLACEMENT, SOURCE, VAL, WANTS, Partial, Placement, Placements, Replicate, Shard, source_of
 from mambac.passes.context import PassContext
@@ -140,7 +140,8 @@ def _needs_grad_reduce(inp: torch.fx.Node) -> bool:
 def _reprop(gm: torch.fx.GraphModule) -> None:
     mode = gm.meta[FAKE_MODE_KEY]
     vals = [n.meta[VAL] for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+    with symbolic_dispatch(mode):
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
 
 
 def insert_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

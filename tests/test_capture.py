@@ -53,3 +53,48 @@ def test_wrong_example_shapes_name_the_module():
     model = tiny_lm("mamba2")
     with pytest.raises(MambacCaptureError, match="shape propagation failed"):
         mambac.capture(model, (torch.randint(0, 5, (2, 3, 4)),))
+
+
+def _dispatcher_probe(x):
+    """Records whether the Python dispatcher is on while a fake-tensor run reaches this node."""
+    _dispatcher_probe.seen.append(torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.PythonDispatcher))
+    return x
+
+
+def test_symbolic_propagation_runs_under_the_python_dispatcher():
+    """With symbolic sizes (the backend's case) shapes are propagated, and values of new nodes
+    computed, under the Python dispatcher, as dynamo traces: without it torch 2.11's C++ matmul
+    behind F.linear asks the fake input for concrete sizes and pins the length (measured there:
+    every new length compiled again).  A static propagation is left as it was.  The length stays
+    a symbol through the linear."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from mambac.capture import fake_mode, propagate_shapes
+    from mambac.passes.rewrite import refresh
+
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    probe = graph.call_function(_dispatcher_probe, (x,))
+    graph.output(graph.call_function(F.linear, (probe, w)))
+    weight = torch.randn(6, 4)
+    for symbolic in (True, False):
+        gm = torch.fx.GraphModule({}, graph)
+        _dispatcher_probe.seen = []
+        if symbolic:
+            mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+            dims = [DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.STATIC]
+            xs = mode.from_tensor(torch.randn(2, 24, 4), symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+        else:
+            mode, xs = fake_mode(), torch.randn(2, 24, 4)
+        propagate_shapes(gm, [xs, weight], mode)
+        refresh(next(n for n in gm.graph.nodes if n.target is _dispatcher_probe))
+        assert _dispatcher_probe.seen == [symbolic, symbolic]
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0].meta[VAL]
+        assert tuple(out.shape[::2]) == (2, 6)
+        if symbolic:   # the length's symbol is not replaced by a number (the weight's sizes are)
+            assert isinstance(out.shape[1], torch.SymInt)
+            assert out.shape[1].node.expr in xs.shape[1].node.expr.free_symbols
+            assert out.shape[1].node.expr not in mode.shape_env.replacements
+        else:
+            assert out.shape[1] == 24
