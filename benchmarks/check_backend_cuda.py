@@ -11,8 +11,8 @@ Usage (a CUDA machine, from the repository root):
 ``python3 benchmarks/check_backend_cuda.py [0|1] [--guards] [variant ...]`` (1, the default: backward
 through AOTAutograd; 0: ``trace_backward=False``; variants: any of mamba2, mamba1, mamba3_siso, default
 all).  ``--guards`` also prints every size symbol that a graph's shape environment replaces by a
-constant, with the frames (mambac's and torch.nn.functional's) that made it do so: where a length
-gets pinned.
+constant, with the FX node being run at that moment, its inputs' fake shapes and strides, and
+the Python frames outside torch's shape machinery: where a length gets pinned.
 """
 from __future__ import annotations
 

@@ -19,12 +19,12 @@ from mambac.codegen.autotune import interpreting
 # sin_c = sin0_c + exp(P_c) S_in, F = F0 + exp(T) S_in, with P_c = tot_0 + ... + tot_{c-1} and T
 # the sum of all chunk totals (tot_c: the last entry of chunk c's dA cumsum).  ``incoming_state``
 # forms S_in from the gathered rows, the weights exp(P_c) and F; the forward's chunk scan adds
-# exp(P_c) C S_in to each state's part of y and keeps the summed states for the backward.  Likewise in the backward
-# the gradient of the state leaving chunk c is linear in the final state's gradient: adding dF_ext
-# (what later ranks send back) adds exp(tot_{c+1} + ... + tot_{nc-1}) dF_ext to it, whose dots dx
-# and dB add to their own, and exp(tot_c) <sin_c, that> to the chunk's total-decay gradient, which
-# ``outgoing_gradient`` sums here (the one pass over the per-chunk states the exchange costs).  The
-# weights are sums of decays, never differences.
+# exp(P_c) C S_in to each state's part of y and keeps the summed states for the backward.
+# Likewise in the backward the gradient of the state leaving chunk c is linear in the final
+# state's gradient: adding dF_ext (what later ranks send back) adds exp(tot_{c+1} + ... +
+# tot_{nc-1}) dF_ext to it, whose dots dx and dB add to their own, and exp(tot_c) <sin_c, that> to
+# the chunk's total-decay gradient, which ``outgoing_gradient`` sums here (the one pass over the
+# per-chunk states the exchange costs).  The weights are sums of decays, never differences.
 
 
 @triton.jit
