@@ -45,13 +45,14 @@ def _emulate_bf16(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _chunk_total(CS, row, c, Q: tl.constexpr):
-    return tl.load(CS + row + c * Q + Q - 1)
+def _chunk_totals(CS, row, c, lo, hi, Q: tl.constexpr):
+    """The total log-decays of chunks ``c`` (a vector), 0 outside lo <= c < hi."""
+    return tl.load(CS + row + c * Q + Q - 1, mask=(c >= lo) & (c < hi), other=0.0)
 
 
 @triton.jit
 def _incoming(G, CS, F0, FS, FINAL, FW, RANK, NC, H, PN, HPN, sg_j, sg_b, sf_b, Q: tl.constexpr,
-              BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+              BLOCK: tl.constexpr, CB: tl.constexpr, EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
@@ -67,13 +68,23 @@ def _incoming(G, CS, F0, FS, FINAL, FW, RANK, NC, H, PN, HPN, sg_j, sg_b, sf_b, 
         s_in += tl.exp(later) * tl.load(row + h * PN + offs, mask=mask, other=0.0)
         later += tl.load(row + HPN + h)
     _store_rounded(FS + bh * PN + offs, s_in, mask, EMULATE_BF16)
+    # the weights exp(P_c), P_c = tot_0 + ... + tot_{c-1}: CB chunks at a time, each block's
+    # exclusive prefix as a scan of its totals shifted by one (sums only, no differences)
     cs_row = bh * NC * Q
+    ci = tl.arange(0, CB)
     before = tl.zeros([], dtype=tl.float32)
-    for c in range(0, NC):
-        tl.store(FW + bh * NC + c, tl.exp(before), mask=pid == 0)
-        before += _chunk_total(CS, cs_row, c, Q)
+    for c0 in range(0, NC, CB):
+        c = c0 + ci
+        prefix = before + tl.cumsum(_chunk_totals(CS, cs_row, c - 1, c0, NC, Q), 0)
+        tl.store(FW + bh * NC + c, tl.exp(prefix), mask=(c < NC) & (c * 0 + pid == 0))
+        before += tl.sum(_chunk_totals(CS, cs_row, c, c0, NC, Q), 0)
     f0 = tl.load(F0 + bi * sf_b + h * PN + offs, mask=mask, other=0.0)
     tl.store(FINAL + bh * PN + offs, f0 + tl.exp(before) * s_in, mask=mask)
+
+
+def _chunk_block(nc: int) -> int:
+    """How many chunks the exchange kernels take at once (a power of two, at most 8)."""
+    return min(8, triton.next_power_of_2(max(nc, 1)))
 
 
 def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: int,
@@ -98,13 +109,14 @@ def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: i
     block = 256 if interpreting() else 1024
     _incoming[(triton.cdiv(pn, block), b * h)](
         gathered, cs, f0, fs, final, fw, rank, nc, h, pn, h * pn, gathered.stride(0),
-        gathered.stride(1), f0.stride(0), Q=chunk, BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
+        gathered.stride(1), f0.stride(0), Q=chunk, BLOCK=block, CB=_chunk_block(nc), EMULATE_BF16=_emulate_bf16(dtype),
+        num_warps=4)
     return fs, final, fw
 
 
 @triton.jit
 def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b,
-              Q: tl.constexpr, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+              Q: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
@@ -119,16 +131,26 @@ def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b
         g += tl.exp(between) * tl.load(E + r * se_j + bi * se_b + h * PN + offs, mask=mask, other=0.0)
         between += tl.load(TOT + (r * nb + bi) * H + h)
     _store_rounded(GS + bh * PN + offs, g, mask, EMULATE_BF16)
+    # per chunk c, the weight exp(tot_{c+1} + ... + tot_{nc-1}) and the part exp(tot_c) w <sin_c, g>
+    # of this tile: CB chunks at a time from the last block back, each block's exclusive suffix as
+    # a reverse scan of its totals shifted by one (sums only), its states in one 2-D load
     cs_row = bh * NC * Q
+    ci = tl.arange(0, CB)
+    nblk = tl.cdiv(NC, CB)
     after = tl.zeros([], dtype=tl.float32)
-    for cc in range(0, NC):
-        c = NC - 1 - cc
-        tot = _chunk_total(CS, cs_row, c, Q)
-        w = tl.exp(after)
-        tl.store(FW + bh * NC + c, w, mask=pid == 0)
-        s_in = tl.load(SIN + ((bi * NC + c) * H + h) * PN + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(PARTS + (bh * NC + c) * tl.num_programs(0) + pid, tl.exp(tot) * w * tl.sum(s_in * g, 0))
-        after += tot
+    for bb in range(0, nblk):
+        c0 = (nblk - 1 - bb) * CB
+        c = c0 + ci
+        cm = c < NC
+        hi = tl.minimum(c0 + CB, NC)
+        w = tl.exp(after + tl.cumsum(_chunk_totals(CS, cs_row, c + 1, c0, hi, Q), 0, reverse=True))
+        tl.store(FW + bh * NC + c, w, mask=cm & (c * 0 + pid == 0))
+        tot = _chunk_totals(CS, cs_row, c, c0, NC, Q)
+        s_in = tl.load(SIN + ((bi * NC + c[:, None]) * H + h) * PN + offs[None, :],
+                       mask=cm[:, None] & mask[None, :], other=0.0).to(tl.float32)
+        part = tl.exp(tot) * w * tl.sum(s_in * g[None, :], 1)
+        tl.store(PARTS + (bh * NC + c) * tl.num_programs(0) + pid, part, mask=cm)
+        after += tl.sum(tot, 0)
 
 
 def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin: Tensor, dtot: Tensor,
@@ -152,5 +174,5 @@ def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin:
     parts = torch.empty(b * h, nc, tiles, device=sin.device, dtype=torch.float32)
     _outgoing[(tiles, b * h)](every, totals.to(torch.float32).contiguous(), cs, sin, gs, fw, parts,
                               rank, world, nc, h, pn, every.stride(0), every.stride(1), Q=chunk,
-                              BLOCK=block, EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
+                              BLOCK=block, CB=_chunk_block(nc), EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
     return gs, fw, torch.cat([dtot, parts], dim=-1)

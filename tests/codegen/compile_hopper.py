@@ -93,7 +93,7 @@ def cases() -> list[tuple]:
              {"xd": (64, 64), "dyd": (64, 64), "cbd": (64, 64)}),
             ("ssd_dc_tma", render_bwd_tiles.render_dbc(r, "c", True), tiles, DC_DESCRIPTORS),
             ("ssd_db_tma", render_bwd_tiles.render_dbc(r, "b", True), tiles, DB_DESCRIPTORS)]
-    small = dict(Q=256, BLOCK=1024, EMULATE_BF16=False)
+    small = dict(Q=256, BLOCK=1024, CB=4, EMULATE_BF16=False)
     out += [("cp_incoming", cp_combine_kernels._incoming, small, {}, SMALL),
             ("cp_outgoing", cp_combine_kernels._outgoing, small, {}, SMALL)]
     return out

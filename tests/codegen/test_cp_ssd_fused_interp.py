@@ -102,7 +102,8 @@ F32 = torch.float32
     (3, 14, 5, 1, 4, True, "head_dim", True, (0.05, 1.5), F32),    # odd heads, D per (h, p), dt clamp
     (2, 6, 3, 1, 8, False, "head", False, (0.0, math.inf), F32),   # every piece shorter than a chunk
     (3, 14, 3, 1, 4, True, "head", True, (0.0, math.inf), torch.bfloat16),
-])
+    (2, 72, 3, 1, 4, True, "head", True, (0.0, math.inf), F32),    # 9 chunks a piece: the exchange
+])                                                                 # kernels' chunk blocks, 8 and 1
 def test_matches_float64_whole_sequence(world, l, h, g, chunk, z, D, bias, limit, dtype):
     b, p, n = 2, 4, 8
     args = make_inputs(world * 100 + l, b, l, h, g, p, n, z=z, D=D, bias=bias, dtype=dtype)
