@@ -76,6 +76,7 @@ def _incoming(G, CS, F0, FS, FINAL, FW, RANK, NC, H, PN, HPN, sg_j, sg_b, sf_b, 
     for c0 in range(0, NC, CB):
         c = c0 + ci
         prefix = before + tl.cumsum(_chunk_totals(CS, cs_row, c - 1, c0, NC, Q), 0)
+        # (pid == 0 widened to a vector: under the interpreter pid is a plain int)
         tl.store(FW + bh * NC + c, tl.exp(prefix), mask=(c < NC) & (c * 0 + pid == 0))
         before += tl.sum(_chunk_totals(CS, cs_row, c, c0, NC, Q), 0)
     f0 = tl.load(F0 + bi * sf_b + h * PN + offs, mask=mask, other=0.0)

@@ -80,7 +80,7 @@ def render_dx(r: SSDRegion, heads: int = 1, tma: bool = False, fold: bool = Fals
                 w.line("ds = " + state_tile("dsout_ptr", f"(bi64 * NC + pid_c) * H + {h}", True))
             part = dot(r, 'b_s', f'ds.to({io})')
             if fold:
-                part = f"({part} + {fold_dot(r, w, 'b_s', f'bi64 * H + {h}', f'bi * H + {h}', 'pid_c', True, tma)})"
+                part = f"({part} + {fold_dot(r, w, 'b_s', h, True, tma)})"
             w.line(f"acc_{j} = {part} * tl.exp(cend - cs_r_{j})")
         w.comment("intra-chunk path: targets t >= s, first the tiles past r")
         with w.block(f"for k0 in range(dend, {q}, BK):"):
@@ -219,7 +219,7 @@ def _db_state_path(w: Writer, r: SSDRegion, tma: bool = False, fold: bool = Fals
                                         "v_s", "m_p"), "dsout_ptr", tma)
     part = dot(r, 'x_s', f'st.to({r.tl_io})')
     if fold:
-        part = f"({part} + {fold_dot(r, w, 'x_s', 'bi64 * H + hh', 'bi * H + hh', 'pid_c', False, tma)})"
+        part = f"({part} + {fold_dot(r, w, 'x_s', 'hh', False, tma)})"
     w.line(f"f = {part} * (dt_r * tl.exp(cend - cs_r))[:, None]")
     w.line("acc += f")
     w.line("tl.store(v_ptr + row + s, tl.sum(f * b_r.to(tl.float32), 1), mask=in_s)")

@@ -82,18 +82,16 @@ def to_io(r: SSDRegion, expr: str) -> str:
 FOLD_ARGS = ["fs_ptr", "fw_ptr"]
 
 
-def fold_dot(r: SSDRegion, w, a: str, bh: str, bh32: str, chunk: str, transpose: bool, tma: bool,
-             tag: str = "") -> str:
-    """Emit the loads of one (batch, head)'s fold (``fw{tag}``, ``fs{tag}``) and return the text of
-    its fp32 term of ``dot(a, state)``: ``fw * dot(a, fs)``.  ``bh``: the flat (batch, head)
-    index (int64), ``bh32`` the same in int32 for a descriptor; ``transpose`` as for
-    ``state_tile``; ``tma``: fs through ``fsd``."""
-    w.line(f"fw{tag} = tl.load(fw_ptr + ({bh}) * NC + {chunk})")
+def fold_dot(r: SSDRegion, w, a: str, head: str, transpose: bool, tma: bool, tag: str = "") -> str:
+    """Emit the loads of the fold of (batch ``bi``, head ``head``) for chunk ``pid_c`` (``fw{tag}``,
+    ``fs{tag}``) and return the text of its fp32 term of ``dot(a, state)``: ``fw * dot(a, fs)``.
+    ``transpose`` as for ``state_tile``; ``tma``: fs through ``fsd``."""
+    w.line(f"fw{tag} = tl.load(fw_ptr + (bi64 * H + {head}) * NC + pid_c)")
     if tma:
-        tile = f"fsd.load([({bh32}) * P, 0])"
+        tile = f"fsd.load([(bi * H + {head}) * P, 0])"
         w.line(f"fs{tag} = " + (f"tl.trans({tile})" if transpose else tile))
     else:
-        w.line(f"fs{tag} = " + state_tile("fs_ptr", bh, transpose))
+        w.line(f"fs{tag} = " + state_tile("fs_ptr", f"bi64 * H + {head}", transpose))
     return f"fw{tag} * {dot(r, a, f'fs{tag}')}"
 
 

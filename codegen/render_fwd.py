@@ -279,7 +279,7 @@ def render_chunk_scan(r: SSDRegion, heads: int = 1, mode: str = "forward", tma: 
             return tile
 
         def fold_term(j: int) -> str:
-            term = fold_dot(r, w, "c_t", f"bi64 * H + h0 + {j}", f"bi * H + h0 + {j}", "pid_c", True, tma, f"_{j}")
+            term = fold_dot(r, w, "c_t", f"h0 + {j}", True, tma, f"_{j}")
             with w.block("if pid_m == 0:"):
                 w.comment("the folded state, summed in fp32 and rounded once, for the backward")
                 summed = to_io(r, f"st_{j}.to(tl.float32) + fw_{j} * fs_{j}.to(tl.float32)")

@@ -147,8 +147,9 @@ def _dynamo_fakes(example_inputs: Sequence[Any], mode, gm: torch.fx.GraphModule 
     traced it with (``TracingContext.tensor_to_context``, as AOTAutograd does), so its fake has
     dynamo's own size symbols; where dynamo holds no context for the tensor, the fake dynamo traced
     its placeholder with (``example_value``, same fake mode); the rest as given.  Fakified without
-    either, a tensor may get sizes of its own: on an H100 with torch 2.11 the length was pinned
-    during this propagation, and every new length compiled again."""
+    either, a tensor gets sizes of its own, and an op relating it to dynamo's tensors (the loss's
+    labels and logits) pins the length.  (What pinned it with torch 2.11 on the GPU machine was
+    something else: ``mambac.capture.symbolic_dispatch``.)"""
     from torch._subclasses.fake_tensor import FakeTensor
     contexts = _symbolic_contexts()
     out = list(example_inputs)

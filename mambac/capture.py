@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -125,26 +125,22 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-@contextlib.contextmanager
-def symbolic_dispatch(mode: FakeTensorMode | None) -> Iterator[None]:
+def symbolic_dispatch(mode: FakeTensorMode | None) -> contextlib.AbstractContextManager:
     """Where ``mode`` has symbolic sizes (a shape environment, as under dynamo), the Python
     dispatcher on, as dynamo and AOTAutograd have it when they trace: some C++ composites
     otherwise ask a fake tensor for concrete sizes, and each such question pins a dynamic size to
     its value (torch 2.11's ``matmul`` behind ``F.linear`` pins the sequence length, and every new
     length then compiles again).  Elsewhere nothing changes."""
     from torch._dispatch.python import enable_python_dispatcher
-    if mode is None or getattr(mode, "shape_env", None) is None:
-        yield
-        return
-    with enable_python_dispatcher():
-        yield
+    symbolic = mode is not None and getattr(mode, "shape_env", None) is not None
+    return enable_python_dispatcher() if symbolic else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def fake_running(mode: FakeTensorMode) -> Iterator[None]:
-    """Run ops on ``mode``'s fake tensors (``symbolic_dispatch`` as well)."""
-    with mode, symbolic_dispatch(mode):
-        yield
+def repropagate(gm: torch.fx.GraphModule, mode: FakeTensorMode, values: Sequence[Any]) -> None:
+    """Fill ``node.meta['val']`` again from fake ``values`` of the placeholders (already in
+    ``mode``), under ``symbolic_dispatch``."""
+    with symbolic_dispatch(mode):
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*values)
 
 
 def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: FakeTensorMode | None = None) -> None:

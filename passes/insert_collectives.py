@@ -17,9 +17,8 @@ import operator
 
 import torch
 import torch.fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from mambac.capture import FAKE_MODE_KEY, symbolic_dispatch
+from mambac.capture import FAKE_MODE_KEY, repropagate
 from mambac.errors import MambacPassError
 from mambac.ir import MESH, PLACEMENT, SOURCE, VAL, WANTS, Partial, Placement, Placements, Replicate, Shard, source_of
 from mambac.passes.context import PassContext
@@ -137,13 +136,6 @@ def _needs_grad_reduce(inp: torch.fx.Node) -> bool:
         and isinstance(pl.on("tp"), Replicate)
 
 
-def _reprop(gm: torch.fx.GraphModule) -> None:
-    mode = gm.meta[FAKE_MODE_KEY]
-    vals = [n.meta[VAL] for n in gm.graph.nodes if n.op == "placeholder"]
-    with symbolic_dispatch(mode):
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
-
-
 def insert_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     ins = _Inserter(gm, ctx)
     for node in list(gm.graph.nodes):
@@ -158,5 +150,5 @@ def insert_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.G
                 replace_input(node, inp, ins.grad_reduce(inp, node))
     gm.graph.lint()
     gm.recompile()
-    _reprop(gm)
+    repropagate(gm, gm.meta[FAKE_MODE_KEY], [n.meta[VAL] for n in gm.graph.nodes if n.op == "placeholder"])
     return gm

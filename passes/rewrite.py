@@ -13,7 +13,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from mambac.capture import FAKE_MODE_KEY, fake_running
+from mambac.capture import FAKE_MODE_KEY, symbolic_dispatch
 from mambac.ir import SOURCE, VAL, SourceInfo, source_of
 from mambac.ops._common import info_for_target
 
@@ -29,7 +29,7 @@ def compute_val(node: torch.fx.Node) -> Any:
     args = map_arg(node.args, lambda n: n.meta[VAL])
     kwargs = map_arg(node.kwargs, lambda n: n.meta[VAL])
     mode = _fake_mode(node)
-    with fake_running(mode):
+    with mode, symbolic_dispatch(mode):
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":

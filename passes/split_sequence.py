@@ -28,9 +28,8 @@ import operator
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from mambac.capture import FAKE_MODE_KEY, symbolic_dispatch
+from mambac.capture import FAKE_MODE_KEY, repropagate
 from mambac.errors import MambacPassError
 from mambac.ir import CP_LENGTH, FUSION, MESH, PLACEMENT, VAL, source_of
 from mambac.ops._common import info_for_target
@@ -88,8 +87,7 @@ def sequence_dims(gm: torch.fx.GraphModule) -> dict[str, list[tuple[int, ...]]]:
                 v = torch.empty(shape, dtype=v.dtype, device=v.device)
         longer.append(v)
     try:
-        with symbolic_dispatch(mode):
-            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*longer)
+        repropagate(gm, mode, longer)
         probed = {n.name: [tuple(t.shape) for t in _tensors(n.meta.get(VAL))] for n in gm.graph.nodes}
     finally:
         for n, (val, tm) in saved.items():

@@ -291,8 +291,8 @@ def _assert_fakes_carry_the_length(grab) -> None:
 def test_shapes_are_propagated_from_dynamos_own_fake_inputs():
     """The backend fakifies the real inputs with the symbolic contexts dynamo traced them with (as
     AOTAutograd does), so their fakes carry dynamo's own length symbol, the graph's SymInt input.
-    (On an H100 with torch 2.11 the propagation from plain ``from_tensor`` fakes pinned the length:
-    every new length compiled again.)  Parameters stay as given."""
+    (Fakes of their own sizes would be related to dynamo's by the loss, which pins the length.)
+    Parameters stay as given."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
     from mambac.backend import _dynamo_fakes
