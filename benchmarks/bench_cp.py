@@ -175,7 +175,7 @@ def _bodies(t: dict, s: dict, gathered: torch.Tensor) -> dict:
 def _forward_pieces(t: dict, s: dict, gathered: torch.Tensor, bench) -> dict:
     """Time of the cp rank's own small launches (what the fold form adds besides the folds inside
     the chunk scan, dx and dB), and of the zero-start + correction form's pieces."""
-    from mambac.codegen.cp_combine_kernels import incoming_state, outgoing_gradient
+    from mambac.codegen.cp_combine_kernels import incoming_state, outgoing_gradient, outgoing_parts
     from mambac.codegen.ssd_kernels import forward_path, prepare, run_states
     from mambac.runtime.cp_ssd_fused import chunk_totals
     ct, inf = torch.float32, float("inf")
@@ -184,7 +184,7 @@ def _forward_pieces(t: dict, s: dict, gathered: torch.Tensor, bench) -> dict:
     sin0, f_local, _, cs = run_states(pr, forward_path(pr))
     last, hpn = s["world"] - 1, s["h"] * s["p"] * s["n"]
     totals = gathered[..., hpn:].contiguous()
-    dtot = torch.zeros(d.b * d.h, d.nc, 1, device=cs.device)
+    dtot = torch.zeros(d.b * d.h, d.nc, 1 + outgoing_parts(d.p * d.n), device=cs.device)
     y0, local = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"],
                                      None, s["q"], True, 0.0, inf)
     cum = cpf.ssd_summaries(t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)

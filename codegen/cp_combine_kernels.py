@@ -51,22 +51,26 @@ def _chunk_totals(CS, row, c, lo, hi, Q: tl.constexpr):
 
 
 @triton.jit
-def _incoming(G, CS, F0, FS, FINAL, FW, RANK, NC, H, PN, HPN, sg_j, sg_b, sf_b, Q: tl.constexpr,
-              BLOCK: tl.constexpr, CB: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _incoming(G, CS, F0, FS, FINAL, FW, TOTALS, RANK, WORLD, NC, H, PN, HPN, sg_j, sg_b, sf_b,
+              Q: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, WP: tl.constexpr,
+              EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
     h = bh % H
+    nb = tl.num_programs(1) // H
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
-    # S_in = sum_{j < RANK} exp(T_{j+1} + ... + T_{RANK-1}) F0_j, from the last earlier rank back
-    s_in = tl.zeros([BLOCK], dtype=tl.float32)
-    later = tl.zeros([], dtype=tl.float32)
-    for jj in range(0, RANK):
-        j = RANK - 1 - jj
-        row = G + j * sg_j + bi * sg_b
-        s_in += tl.exp(later) * tl.load(row + h * PN + offs, mask=mask, other=0.0)
-        later += tl.load(row + HPN + h)
+    # every rank's total decay T_j, kept (W, b, h) for the backward by one tile of each head
+    j = tl.arange(0, WP)
+    rows = G + j.to(tl.int64) * sg_j + bi * sg_b
+    tl.store(TOTALS + (j * nb + bi) * H + h, tl.load(rows + HPN + h, mask=j < WORLD, other=0.0),
+             mask=(j < WORLD) & (j * 0 + pid == 0))
+    # S_in = sum_{j < RANK} exp(T_{j+1} + ... + T_{RANK-1}) F0_j: the weights a reverse scan of
+    # the totals shifted by one (sums only), the earlier ranks' rows in one 2-D load
+    later = tl.cumsum(tl.load(rows + sg_j + HPN + h, mask=j + 1 < RANK, other=0.0), 0, reverse=True)
+    f = tl.load(rows[:, None] + h * PN + offs[None, :], mask=(j < RANK)[:, None] & mask[None, :], other=0.0)
+    s_in = tl.sum(tl.exp(later)[:, None] * f, 0)
     _store_rounded(FS + bh * PN + offs, s_in, mask, EMULATE_BF16)
     # the weights exp(P_c), P_c = tot_0 + ... + tot_{c-1}: CB chunks at a time, each block's
     # exclusive prefix as a scan of its totals shifted by one (sums only, no differences)
@@ -88,36 +92,53 @@ def _chunk_block(nc: int) -> int:
     return min(8, triton.next_power_of_2(max(nc, 1)))
 
 
+def _ranks_block(world: int) -> int:
+    """The exchange kernels' rank axis: a power of two holding every rank."""
+    return max(2, triton.next_power_of_2(world))
+
+
+# elements of a state per program, and warps (the interpreter's block is smaller: fewer, cheaper steps)
+LAUNCH = {"block": 1024, "warps": 4}
+
+
+def _launch() -> tuple[int, int]:
+    return (256, 4) if interpreting() else (LAUNCH["block"], LAUNCH["warps"])
+
+
 def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: int,
-                   dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                   dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The incoming state of a piece scanned from zero: (S_in (b, h, p, n) in ``dtype``, the
-    piece's final state from S_in (b, h, p, n) fp32, the weights exp(P_c) (b, h, nc) fp32), so
-    that the state entering chunk c is its zero-start state plus exp(P_c) S_in.  ``gathered`` (W,
-    b, >= h*p*n + h) fp32: every rank's final state from zero then its total log-decay, in rank
-    order; ``cs`` (b, h, nc*chunk) fp32, the dA cumsum restarting at every chunk; ``f0`` this
-    piece's final state from zero (dense but for its batch stride: it may be this rank's row of
-    the summaries).  S_in is the exclusive prefix combine of ranks 0 .. rank-1."""
+    piece's final state from S_in (b, h, p, n) fp32, the weights exp(P_c) (b, h, nc) fp32, every
+    rank's total log-decay (W, b, h) fp32), so that the state entering chunk c is its zero-start
+    state plus exp(P_c) S_in.  ``gathered`` (W, b, >= h*p*n + h) fp32: every rank's final state
+    from zero then its total log-decay, in rank order; ``cs`` (b, h, nc*chunk) fp32, the dA cumsum
+    restarting at every chunk; ``f0`` this piece's final state from zero (dense but for its batch
+    stride: it may be this rank's row of the summaries).  S_in is the exclusive prefix combine of
+    ranks 0 .. rank-1."""
     b, h = f0.shape[0], f0.shape[1]
     pn = f0[0, 0].numel()
     nc = cs.shape[-1] // chunk
+    world = gathered.shape[0]
     fs = torch.empty(f0.shape, device=f0.device, dtype=dtype)
     final = torch.empty(f0.shape, device=f0.device, dtype=torch.float32)
     fw = torch.empty(b, h, nc, device=f0.device, dtype=torch.float32)
+    totals = torch.empty(world, b, h, device=f0.device, dtype=torch.float32)
     if gathered.stride(-1) != 1:
         gathered = gathered.contiguous()
     if not f0[0].is_contiguous():       # any batch stride; dense within a batch
         f0 = f0.contiguous()
-    block = 256 if interpreting() else 1024
+    block, warps = _launch()
     _incoming[(triton.cdiv(pn, block), b * h)](
-        gathered, cs, f0, fs, final, fw, rank, nc, h, pn, h * pn, gathered.stride(0),
-        gathered.stride(1), f0.stride(0), Q=chunk, BLOCK=block, CB=_chunk_block(nc), EMULATE_BF16=_emulate_bf16(dtype),
-        num_warps=4)
-    return fs, final, fw
+        gathered, cs, f0, fs, final, fw, totals, rank, world, nc, h, pn, h * pn, gathered.stride(0),
+        gathered.stride(1), f0.stride(0), Q=chunk, BLOCK=block, CB=_chunk_block(nc), WP=_ranks_block(world),
+        EMULATE_BF16=_emulate_bf16(dtype), num_warps=warps)
+    return fs, final, fw, totals
 
 
 @triton.jit
-def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b,
-              Q: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b, PS, P0,
+              Q: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, WP: tl.constexpr,
+              EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
@@ -125,12 +146,14 @@ def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b
     nb = tl.num_programs(1) // H
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
-    # dF_ext = sum_{r > RANK} exp(T_{RANK+1} + ... + T_{r-1}) dS_in(r)
-    g = tl.zeros([BLOCK], dtype=tl.float32)
-    between = tl.zeros([], dtype=tl.float32)
-    for r in range(RANK + 1, WORLD):
-        g += tl.exp(between) * tl.load(E + r * se_j + bi * se_b + h * PN + offs, mask=mask, other=0.0)
-        between += tl.load(TOT + (r * nb + bi) * H + h)
+    # dF_ext = sum_{r > RANK} exp(T_{RANK+1} + ... + T_{r-1}) dS_in(r): the weights a scan of the
+    # totals shifted by one (sums only), the later ranks' rows in one 2-D load
+    r = tl.arange(0, WP)
+    between = tl.cumsum(tl.load(TOT + ((r - 1) * nb + bi) * H + h, mask=(r - 1 > RANK) & (r - 1 < WORLD),
+                                other=0.0), 0)
+    e = tl.load(E + r.to(tl.int64)[:, None] * se_j + bi * se_b + h * PN + offs[None, :],
+                mask=((r > RANK) & (r < WORLD))[:, None] & mask[None, :], other=0.0)
+    g = tl.sum(tl.exp(between)[:, None] * e, 0)
     _store_rounded(GS + bh * PN + offs, g, mask, EMULATE_BF16)
     # per chunk c, the weight exp(tot_{c+1} + ... + tot_{nc-1}) and the part exp(tot_c) w <sin_c, g>
     # of this tile: CB chunks at a time from the last block back, each block's exclusive suffix as
@@ -150,19 +173,25 @@ def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b
         s_in = tl.load(SIN + ((bi * NC + c[:, None]) * H + h) * PN + offs[None, :],
                        mask=cm[:, None] & mask[None, :], other=0.0).to(tl.float32)
         part = tl.exp(tot) * w * tl.sum(s_in * g[None, :], 1)
-        tl.store(PARTS + (bh * NC + c) * tl.num_programs(0) + pid, part, mask=cm)
+        tl.store(PARTS + (bh * NC + c) * PS + P0 + pid, part, mask=cm)
         after += tl.sum(tot, 0)
 
 
+def outgoing_parts(pn: int) -> int:
+    """How many total-decay gradient parts ``outgoing_gradient`` adds per chunk, for states of
+    ``pn`` elements: the room its caller leaves after the reverse walk's own parts."""
+    return triton.cdiv(pn, _launch()[0])
+
+
 def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin: Tensor, dtot: Tensor,
-                      chunk: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                      chunk: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The later ranks' gradient of this piece's final state, dF_ext: (dF_ext (b, h, p, n) in
     ``dtype``, the weights exp(tot_{c+1} + ... + tot_{nc-1}) (b, h, nc) fp32 with which it adds to
-    the gradient of the state leaving chunk c, and ``dtot`` (b*h, nc, parts) with the total-decay
-    gradient parts it adds appended).  ``every`` (W, b, >= h*p*n) fp32: every rank's
-    incoming-state gradient in rank order; ``totals`` (W, b, h) fp32 every rank's total
-    log-decay; ``sin`` (b, nc, h, p, n) the states entering the chunks (from S_in); ``cs`` as for
-    ``incoming_state``."""
+    the gradient of the state leaving chunk c); the total-decay gradient parts it adds go into
+    the last ``outgoing_parts`` columns of ``dtot`` (b*h, nc, parts), left free for them.
+    ``every`` (W, b, >= h*p*n) fp32: every rank's incoming-state gradient in rank order;
+    ``totals`` (W, b, h) fp32 every rank's total log-decay (contiguous); ``sin`` (b, nc, h, p,
+    n) the states entering the chunks (from S_in); ``cs`` as for ``incoming_state``."""
     world = every.shape[0]
     b, nc, h = sin.shape[0], sin.shape[1], sin.shape[2]
     pn = sin[0, 0, 0].numel()
@@ -170,10 +199,13 @@ def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin:
     fw = torch.empty(b, h, nc, device=sin.device, dtype=torch.float32)
     if every.stride(-1) != 1:
         every = every.contiguous()
-    block = 256 if interpreting() else 1024
+    block, warps = _launch()
     tiles = triton.cdiv(pn, block)
-    parts = torch.empty(b * h, nc, tiles, device=sin.device, dtype=torch.float32)
-    _outgoing[(tiles, b * h)](every, totals.to(torch.float32).contiguous(), cs, sin, gs, fw, parts,
-                              rank, world, nc, h, pn, every.stride(0), every.stride(1), Q=chunk,
-                              BLOCK=block, CB=_chunk_block(nc), EMULATE_BF16=_emulate_bf16(dtype), num_warps=4)
-    return gs, fw, torch.cat([dtot, parts], dim=-1)
+    if dtot.shape[:2] != (b * h, nc) or dtot.shape[-1] < tiles or not dtot.is_contiguous():
+        raise ValueError(f"outgoing_gradient: dtot {tuple(dtot.shape)} must be contiguous (b*h, nc, parts) "
+                         f"with its last {tiles} columns left for the exchange's parts")
+    _outgoing[(tiles, b * h)](every, totals, cs, sin, gs, fw, dtot, rank, world, nc, h, pn,
+                              every.stride(0), every.stride(1), dtot.shape[-1], dtot.shape[-1] - tiles,
+                              Q=chunk, BLOCK=block, CB=_chunk_block(nc), WP=_ranks_block(world),
+                              EMULATE_BF16=_emulate_bf16(dtype), num_warps=warps)
+    return gs, fw

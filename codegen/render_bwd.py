@@ -27,10 +27,10 @@ def render_state_pass_bwd(r: SSDRegion) -> str:
     w = Writer()
     header(w, "ssd_state_pass_bwd", r, "Reverse inter-chunk state passing.")
     args = ["dst_ptr", "sin_ptr", "cs_ptr", "dfinal_ptr", "dsout_ptr", "dinit_ptr", "dtot_ptr",
-            "H", "NC", "PN", "BLK: tl.constexpr"]
+            "H", "NC", "PN", "DTS", "BLK: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def ssd_state_pass_bwd({', '.join(args)}):"):
-        w.lines("pid = tl.program_id(0)", "pid_bh = tl.program_id(1)", "ntiles = tl.num_programs(0)",
+        w.lines("pid = tl.program_id(0)", "pid_bh = tl.program_id(1)",
                 "bh64 = pid_bh.to(tl.int64)", "bi64 = bh64 // H", "h = pid_bh % H",
                 "offs = pid * BLK + tl.arange(0, BLK)", "m = offs < PN",
                 "ds = tl.load(dfinal_ptr + bh64 * PN + offs, mask=m, other=0.0).to(tl.float32)")
@@ -41,7 +41,7 @@ def render_state_pass_bwd(r: SSDRegion) -> str:
             w.line(f"tl.store(dsout_ptr + idx + offs, {to_io(r, 'ds')}, mask=m)")
             w.line(f"dec = tl.exp(tl.load(cs_ptr + (bh64 * NC + c) * {q} + {q - 1}))")
             w.line("s_in = tl.load(sin_ptr + idx + offs, mask=m, other=0.0).to(tl.float32)")
-            w.line("tl.store(dtot_ptr + (bh64 * NC + c) * ntiles + pid, dec * tl.sum(s_in * ds, 0))")
+            w.line("tl.store(dtot_ptr + (bh64 * NC + c) * DTS + pid, dec * tl.sum(s_in * ds, 0))")
             w.line("ds = ds * dec + tl.load(dst_ptr + idx + offs, mask=m, other=0.0)")
         w.line("tl.store(dinit_ptr + bh64 * PN + offs, ds, mask=m)")
     return w.source()

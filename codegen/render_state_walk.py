@@ -81,15 +81,20 @@ def render_state_walk(r: SSDRegion) -> str:
         _emit_program_tiles(w)
         w.line("a = tl.load(a_ptr + h).to(tl.float32)")
         load_bias(w, r, "h")
-        w.comment("SFB: the final state's batch stride (a row of a wider buffer, as context parallelism's summary)")
-        w.line("final_at = final_ptr + bi64 * SFB + h * P * N + tile")
+        w.comment("SFB: the final state's batch stride (a row of a wider buffer: context parallelism's summary,")
+        w.comment("whose row holds every head's total log-decay after the states)")
+        w.lines("final_at = final_ptr + bi64 * SFB + h * P * N + tile", "summary = SFB > H * P * N",
+                "total_at = final_ptr + bi64 * SFB + H * P * N + h")
         if r.has_initial_state:
             w.line("acc = tl.load(init_ptr + (bi64 * H + h) * P * N + tile).to(tl.float32)")
         else:
             w.line("acc = tl.zeros((BP, BN), dtype=tl.float32)")
+        w.line("total = a * 0.0  # the walked chunks' total log-decay")
         with w.block("if C_LO > 0:"):
-            w.comment("a later segment of the walk: go on from the state the previous one left")
+            w.comment("a later segment of the walk: go on from the state (and total) the previous one left")
             w.line("acc = tl.load(final_at)")
+            with w.block("if summary:"):
+                w.line("total = tl.load(total_at)")
         w.lines("run = a * 0.0  # cumsum of dA since the chunk's start, before this block",
                 f"row = (bi64 * H + h) * (NC * {q})", "sin_at = (bi64 * NC * H + h) * P * N + tile",
                 "seq0 = bi * L", "k_in = tl.arange(0, BT)",
@@ -110,24 +115,28 @@ def render_state_walk(r: SSDRegion) -> str:
                     "tl.store(dtp_ptr + row + k + k_in, d, mask=keep)",
                     "tl.store(cs_ptr + row + k + k_in, cs, mask=keep)")
             _emit_block(w, r, ("x", "b"), "d * tl.exp(end - cs)", "run = end")
+            w.line(f"total += tl.where(k0 == {q} - BT, end, 0.0)")
         w.comment("the state leaving the walked chunks: the final state after the last segment")
         w.line("tl.store(final_at, acc)")
+        with w.block("if summary:"):
+            w.line("tl.store(total_at + k_in * 0, total + k_in * 0.0, mask=keep & (k_in == 0))")
     return w.source()
 
 
 def render_state_walk_bwd(r: SSDRegion) -> str:
     """``ssd_state_walk_bwd``; grid ((P / BP) * (N / BN), batch * heads).  dtot gets one part
-    per (batch*head, chunk, program of the head)."""
+    per (batch*head, chunk, program of the head), its rows DTS apart (room for more parts after
+    them)."""
     q = r.chunk_size
     w = Writer()
     header(w, NAME_BWD, r, "Gradients of the states leaving each chunk, by one reverse walk per (head, state tile).")
     args = ["cs_ptr", "sin_ptr", "dfinal_ptr", "dsout_ptr", "dinit_ptr", "dtot_ptr", "L", "H", "HPG", "NC",
-            "dyd", "cd", "BT: tl.constexpr", "BP: tl.constexpr", "BN: tl.constexpr",
+            "DTS", "dyd", "cd", "BT: tl.constexpr", "BP: tl.constexpr", "BN: tl.constexpr",
             "P: tl.constexpr", "N: tl.constexpr"]
     w.line("@triton.jit")
     with w.block(f"def {NAME_BWD}({', '.join(args)}):"):
         _emit_program_tiles(w)
-        w.lines("ntiles = tl.num_programs(0)", "bh64 = pid_bh.to(tl.int64)",
+        w.lines("bh64 = pid_bh.to(tl.int64)",
                 "acc = tl.load(dfinal_ptr + bh64 * P * N + tile).to(tl.float32)",
                 f"row = bh64 * (NC * {q})", "sin_at = (bi64 * NC * H + h) * P * N + tile",
                 "seq0 = bi * L", "k_in = tl.arange(0, BT)", f"last = NC * {q} - BT",
@@ -144,7 +153,7 @@ def render_state_walk_bwd(r: SSDRegion) -> str:
             w.line(f"tl.store(dsout_ptr + sin_at + c * H * P * N, {to_io(r, 'acc')}, mask=m_end)")
             w.line("s_in = tl.load(sin_ptr + sin_at + c * H * P * N, mask=m_end, other=0.0).to(tl.float32)")
             w.line("part = tl.exp(end) * tl.sum(tl.sum(s_in * acc, 1), 0)")
-            w.line("tl.store(dtot_ptr + (bh64 * NC + c) * ntiles + pid_t + k_in * 0, part + k_in * 0.0, "
+            w.line("tl.store(dtot_ptr + (bh64 * NC + c) * DTS + pid_t + k_in * 0, part + k_in * 0.0, "
                    f"mask=(k_in == 0) & ((k_in * 0 + k0) == {q} - BT))")
             _emit_block(w, r, ("dy", "c"), "tl.exp(cs_cur - run)", "cs_cur = cs_prev")
         w.line("tl.store(dinit_ptr + bh64 * P * N + tile, acc)")

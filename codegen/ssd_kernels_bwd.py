@@ -96,17 +96,18 @@ def run_dstate(pr: Prepared, dy: Tensor, cs: Tensor) -> Tensor:
     return dst
 
 
-def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tensor):
-    """(dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts)."""
+def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tensor, room: int = 0):
+    """(dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts); the
+    parts' rows have ``room`` more columns, left for the caller to fill."""
     d = pr.dims
     dsout = torch.empty(dst.shape, device=dst.device, dtype=pr.region.torch_io)
     dinit = torch.empty(d.b, d.h, d.p, d.n, device=dst.device, dtype=torch.float32)
 
     def launch(kern, cfg: TileConfig) -> Tensor:
         tiles = cdiv(d.p * d.n, cfg.block_m)
-        dtot = torch.empty(d.b * d.h, d.nc, tiles, device=dst.device, dtype=torch.float32)
+        dtot = torch.empty(d.b * d.h, d.nc, tiles + room, device=dst.device, dtype=torch.float32)
         kern.launch((tiles, d.b * d.h), [dst, saved.sin, saved.cs, dfinal, dsout, dinit, dtot,
-                                         d.h, d.nc, d.p * d.n],
+                                         d.h, d.nc, d.p * d.n, tiles + room],
                     dict(BLK=cfg.block_m), cfg)
         return dtot
 
@@ -114,20 +115,21 @@ def run_state_pass_bwd(pr: Prepared, dst: Tensor, saved: SSDSaved, dfinal: Tenso
     return dsout, dinit, dtot
 
 
-def run_state_walk_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor):
+def run_state_walk_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor, room: int = 0):
     """``run_dstate`` + ``run_state_pass_bwd`` as one reverse walk (``render_state_walk``): the
-    same (dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts)."""
+    same (dS leaving each chunk in the io dtype, d initial state fp32, d total-decay parts, with
+    ``room``)."""
     d = pr.dims
     dsout = torch.empty(d.b, d.nc, d.h, d.p, d.n, device=dy.device, dtype=pr.region.torch_io)
     dinit = torch.empty(d.b, d.h, d.p, d.n, device=dy.device, dtype=torch.float32)
 
     def launch(kern, cfg: TileConfig) -> Tensor:
         tiles = (d.p // cfg.block_m) * (d.n // cfg.block_n)
-        dtot = torch.empty(d.b * d.h, d.nc, tiles, device=dy.device, dtype=torch.float32)
+        dtot = torch.empty(d.b * d.h, d.nc, tiles + room, device=dy.device, dtype=torch.float32)
         descs = tma.launch_descriptors(cfg, even_tiles(d, cfg.block_k), "reverse state walk", [
             (dy, 2, (cfg.block_k, cfg.block_m)), (pr.C, 2, (cfg.block_k, cfg.block_n))])
         kern.launch((tiles, d.b * d.h), [saved.cs, saved.sin, dfinal, dsout, dinit, dtot, d.l, d.h, d.hpg,
-                                         d.nc] + descs,
+                                         d.nc, tiles + room] + descs,
                     dict(BT=cfg.block_k, BP=cfg.block_m, BN=cfg.block_n, P=d.p, N=d.n), cfg)
         return dtot
 
@@ -135,12 +137,13 @@ def run_state_walk_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor
     return dsout, dinit, dtot
 
 
-def run_states_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor):
+def run_states_bwd(pr: Prepared, dy: Tensor, saved: SSDSaved, dfinal: Tensor, room: int = 0):
     """(dS leaving each chunk, d initial state, d total-decay parts) by the reverse walk or by the
-    per-chunk reductions and the reverse passing, as ``choose_walk`` says."""
+    per-chunk reductions and the reverse passing, as ``choose_walk`` says; ``room``: columns left
+    after the parts for the caller's own (context parallelism's exchange)."""
     if choose_walk(pr) == "walk":
-        return run_state_walk_bwd(pr, dy, saved, dfinal)
-    return run_state_pass_bwd(pr, run_dstate(pr, dy, saved.cs), saved, dfinal)
+        return run_state_walk_bwd(pr, dy, saved, dfinal, room)
+    return run_state_pass_bwd(pr, run_dstate(pr, dy, saved.cs), saved, dfinal, room)
 
 
 def run_dx(pr: Prepared, dy: Tensor, saved: SSDSaved, dsout: Tensor, fold: Optional[tuple] = None):

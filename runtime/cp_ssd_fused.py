@@ -83,16 +83,21 @@ def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
         cb = run_chunk_cb(pr, dtype=scan_cb_dtype(pr))
     hpn = d.h * d.p * d.n              # the summary row: the final state from zero, then the total decay
     summary = torch.empty(d.b, hpn + d.h, device=pr.x.device, dtype=torch.float32)
-    sin0, final, dtp, cs = run_states(pr, forward_path(pr), summary[:, :hpn].view(d.b, d.h, d.p, d.n))
-    torch.sum(chunk_totals(pr, cs), -1, out=summary[:, hpn:])
+    path = forward_path(pr)
+    # the final state into the summary's rows: their stride tells the walk that a row also holds
+    # the total decays (as_strided keeps it where a view of one row would not)
+    rows = summary.as_strided((d.b, d.h, d.p, d.n), (hpn + d.h, d.p * d.n, d.n, 1))
+    sin0, final, dtp, cs = run_states(pr, path, rows)
+    if path != "walk":                 # the walk writes the total decays into the summary itself
+        torch.sum(chunk_totals(pr, cs), -1, out=summary[:, hpn:])
     gathered = exchange.gather(summary)
-    totals = gathered[..., -d.h:].contiguous()
-    if exchange.rank > 0:
-        fs, final, fw = incoming_state(gathered, exchange.rank, cs, final, d.q, pr.region.torch_io)
+    if exchange.rank > 0:              # the launch also keeps every rank's total decay for the backward
+        fs, final, fw, totals = incoming_state(gathered, exchange.rank, cs, final, d.q, pr.region.torch_io)
         sin = torch.empty_like(sin0)
         fold = (fs, fw, sin)
     else:                              # rank 0: nothing comes in, the zero-start states are the answer
         sin, fold, final = sin0, None, final.contiguous()
+        totals = gathered[..., -d.h:].contiguous()
     branch.join()
     y = run_chunk_scan(pr, dtp, cs, sin0, cb, fold=fold)
     return y, final, SSDSaved(dtp=dtp, cs=cs, sin=sin, cb=cb), totals
@@ -103,7 +108,7 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     """Backward launches around the gather: (dx, ddt, dA, dB, dC, dD, dz, ddt_bias) as
     ``backward_after_passing`` gives them (dB, dC in ``bc_dtypes``), dz in the io dtype (None
     without z)."""
-    from mambac.codegen.cp_combine_kernels import outgoing_gradient
+    from mambac.codegen.cp_combine_kernels import outgoing_gradient, outgoing_parts
     d, r, rank = pr.dims, pr.region, exchange.rank
     world = totals.shape[0]
     dz = None
@@ -113,12 +118,13 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     else:
         dyv = dy.to(r.torch_io)
     pairs = start_pair_chain(pr, saved, dyv, bc_dtypes[1])   # beside the state chain, as in the plain backward
-    dsout, ds_in, dtot = run_states_bwd(pr, dyv, saved, dfinal)
+    later = rank < world - 1           # the last rank has no later ranks: dF_ext = 0
+    room = outgoing_parts(d.p * d.n) if later else 0
+    dsout, ds_in, dtot = run_states_bwd(pr, dyv, saved, dfinal, room)
     every = exchange.gather(ds_in.reshape(d.b, -1))          # rank 0's row is never read
     fold = None
-    if rank < world - 1:              # the last rank has no later ranks: dF_ext = 0
-        gs, fw, dtot = outgoing_gradient(every, totals, rank, saved.cs, saved.sin, dtot, d.q, r.torch_io)
-        fold = (gs, fw)
+    if later:                          # its decay-gradient parts go into the room left in dtot
+        fold = outgoing_gradient(every, totals, rank, saved.cs, saved.sin, dtot, d.q, r.torch_io)
     dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, bc_dtypes, pairs, fold)
     return dx, ddt, dA, dB, dC, dD, dz, dbias
 

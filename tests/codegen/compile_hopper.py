@@ -31,7 +31,7 @@ FP32 = {"d_ptr", "dd_ptr", "dtp_ptr", "cs_ptr", "fw_ptr", "ddtd_ptr", "dcb_ptr",
         "dinit_ptr", "dtot_ptr", "mrow_ptr", "mcol_ptr"}
 # the hand-written kernels' pointers (their names do not end in _ptr)
 SMALL = {"G": "*fp32", "CS": "*fp32", "F0": "*fp32", "FINAL": "*fp32", "FW": "*fp32", "E": "*fp32",
-         "TOT": "*fp32", "PARTS": "*fp32", "FS": "*bf16", "SIN": "*bf16", "GS": "*bf16"}
+         "TOT": "*fp32", "TOTALS": "*fp32", "PARTS": "*fp32", "FS": "*bf16", "SIN": "*bf16", "GS": "*bf16"}
 SCAN = dict(BM=64, BK=32, PP=64, NP=128, EVEN=True)
 # block shapes of the tensor descriptors, as the launchers make them at these sizes (BM / BT 64, BK / BS 32)
 SCAN_DESCRIPTORS = {"xd": (32, 64), "cd": (64, 128), "sd": (64, 128), "cbd": (64, 32), "yd": (64, 64)}
@@ -93,7 +93,7 @@ def cases() -> list[tuple]:
              {"xd": (64, 64), "dyd": (64, 64), "cbd": (64, 64)}),
             ("ssd_dc_tma", render_bwd_tiles.render_dbc(r, "c", True), tiles, DC_DESCRIPTORS),
             ("ssd_db_tma", render_bwd_tiles.render_dbc(r, "b", True), tiles, DB_DESCRIPTORS)]
-    small = dict(Q=256, BLOCK=1024, CB=4, EMULATE_BF16=False)
+    small = dict(Q=256, BLOCK=1024, CB=4, WP=4, EMULATE_BF16=False)
     out += [("cp_incoming", cp_combine_kernels._incoming, small, {}, SMALL),
             ("cp_outgoing", cp_combine_kernels._outgoing, small, {}, SMALL)]
     return out

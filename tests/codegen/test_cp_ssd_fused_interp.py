@@ -165,6 +165,32 @@ def test_matches_float64_on_the_state_walk(world, dtype):
     check_grads(errs, NAMES, [None if a is None else a.grad for a in got], got, ref, TOL[dtype])
 
 
+@pytest.mark.interp
+@pytest.mark.parametrize("b,path", [(1, "walk"), (2, "walk"), (2, "three")])
+def test_summary_rows_hold_the_total_decays(monkeypatch, b, path):
+    """The summary a rank sends is its final state from zero, then each head's total log-decay:
+    the walk writes the totals itself (the summary's row stride tells it, one batch row included),
+    the per-chunk path sums the chunk totals.  Every ``torch.empty`` is NaN-filled meanwhile, so a
+    total left unwritten cannot pass on a stale buffer."""
+    import mambac.codegen.ssd_kernels as sk
+    from mambac.runtime.cp_ssd_fused import chunk_totals, forward_passes
+    args = make_inputs(3, b, 64, 3, 1, 16, 16, z=False, D=None, bias=True, dtype=torch.float32)
+    pr = sk.prepare(*args, None, 16, True, 0.0, math.inf)
+    monkeypatch.setattr("mambac.runtime.cp_ssd_fused.forward_path", lambda pr: path)
+    sent = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(math.nan))
+    calls = []
+    monkeypatch.setattr(sk, "run_state_walk", lambda *a, run=sk.run_state_walk: calls.append(1) or run(*a))
+    y, final, saved, _ = forward_passes(pr, Exchange(gather=lambda t: sent.append(t.clone()) or t.unsqueeze(0),
+                                                     rank=0))
+    monkeypatch.setattr(torch, "empty", empty)
+    assert len(calls) == (path == "walk")
+    hpn = 3 * 16 * 16
+    assert torch.equal(sent[0][:, :hpn].view(final.shape), final)
+    assert torch.allclose(sent[0][:, hpn:], chunk_totals(pr, saved.cs).sum(-1), rtol=1e-6, atol=1e-6)
+
+
 def _one_rank() -> Exchange:
     return Exchange(gather=lambda t: t.unsqueeze(0), rank=0)
 
