@@ -97,12 +97,13 @@ def _ranks_block(world: int) -> int:
     return max(2, triton.next_power_of_2(world))
 
 
-# elements of a state per program, and warps (the interpreter's block is smaller: fewer, cheaper steps)
-LAUNCH = {"block": 1024, "warps": 4}
+# per kernel: elements of a state per program, and warps (the interpreter's block is smaller:
+# fewer, cheaper steps)
+LAUNCH = {"incoming": (1024, 4), "outgoing": (1024, 4)}
 
 
-def _launch() -> tuple[int, int]:
-    return (256, 4) if interpreting() else (LAUNCH["block"], LAUNCH["warps"])
+def _launch(kernel: str) -> tuple[int, int]:
+    return (256, 4) if interpreting() else LAUNCH[kernel]
 
 
 def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: int,
@@ -127,7 +128,7 @@ def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: i
         gathered = gathered.contiguous()
     if not f0[0].is_contiguous():       # any batch stride; dense within a batch
         f0 = f0.contiguous()
-    block, warps = _launch()
+    block, warps = _launch("incoming")
     _incoming[(triton.cdiv(pn, block), b * h)](
         gathered, cs, f0, fs, final, fw, totals, rank, world, nc, h, pn, h * pn, gathered.stride(0),
         gathered.stride(1), f0.stride(0), Q=chunk, BLOCK=block, CB=_chunk_block(nc), WP=_ranks_block(world),
@@ -180,7 +181,7 @@ def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b
 def outgoing_parts(pn: int) -> int:
     """How many total-decay gradient parts ``outgoing_gradient`` adds per chunk, for states of
     ``pn`` elements: the room its caller leaves after the reverse walk's own parts."""
-    return triton.cdiv(pn, _launch()[0])
+    return triton.cdiv(pn, _launch("outgoing")[0])
 
 
 def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin: Tensor, dtot: Tensor,
@@ -199,7 +200,7 @@ def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin:
     fw = torch.empty(b, h, nc, device=sin.device, dtype=torch.float32)
     if every.stride(-1) != 1:
         every = every.contiguous()
-    block, warps = _launch()
+    block, warps = _launch("outgoing")
     tiles = triton.cdiv(pn, block)
     if dtot.shape[:2] != (b * h, nc) or dtot.shape[-1] < tiles or not dtot.is_contiguous():
         raise ValueError(f"outgoing_gradient: dtot {tuple(dtot.shape)} must be contiguous (b*h, nc, parts) "
