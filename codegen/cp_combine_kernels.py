@@ -61,6 +61,8 @@ def _incoming(G, CS, F0, FS, FINAL, FW, TOTALS, RANK, WORLD, NC, H, PN, HPN, sg_
     nb = tl.num_programs(1) // H
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
+    # this piece's own final state first: a load after the stores below would wait for them
+    f0 = tl.load(F0 + bi * sf_b + h * PN + offs, mask=mask, other=0.0)
     # every rank's total decay T_j, kept (W, b, h) for the backward by one tile of each head
     j = tl.arange(0, WP)
     rows = G + j.to(tl.int64) * sg_j + bi * sg_b
@@ -83,7 +85,6 @@ def _incoming(G, CS, F0, FS, FINAL, FW, TOTALS, RANK, WORLD, NC, H, PN, HPN, sg_
         # (pid == 0 widened to a vector: under the interpreter pid is a plain int)
         tl.store(FW + bh * NC + c, tl.exp(prefix), mask=(c < NC) & (c * 0 + pid == 0))
         before += tl.sum(_chunk_totals(CS, cs_row, c, c0, NC, Q), 0)
-    f0 = tl.load(F0 + bi * sf_b + h * PN + offs, mask=mask, other=0.0)
     tl.store(FINAL + bh * PN + offs, f0 + tl.exp(before) * s_in, mask=mask)
 
 
@@ -99,7 +100,9 @@ def _ranks_block(world: int) -> int:
 
 # per kernel: elements of a state per program, and warps (the interpreter's block is smaller:
 # fewer, cheaper steps)
-LAUNCH = {"incoming": (1024, 4), "outgoing": (1024, 4)}
+# (H200, S1 split in 4, `bench_cp.py`: 2048 x 4 against 1024 x 4 cut the worst rank's extra
+# from 44.4 to 43.2 µs; 512 to 4096 elements, 2 to 8 warps tried)
+LAUNCH = {"incoming": (2048, 4), "outgoing": (2048, 4)}
 
 
 def _launch(kernel: str) -> tuple[int, int]:
@@ -137,6 +140,14 @@ def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: i
 
 
 @triton.jit
+def _states_block(SIN, bi, h, c, offs, mask, NC, H, PN):
+    """This tile of the states entering chunks ``c`` (a vector; zeros outside 0 <= c < NC), in
+    their dtype."""
+    return tl.load(SIN + ((bi * NC + c[:, None]) * H + h) * PN + offs[None, :],
+                   mask=((c >= 0) & (c < NC))[:, None] & mask[None, :], other=0.0)
+
+
+@triton.jit
 def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b, PS, P0,
               Q: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, WP: tl.constexpr,
               EMULATE_BF16: tl.constexpr):
@@ -147,6 +158,12 @@ def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b
     nb = tl.num_programs(1) // H
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
+    # the per-chunk states are read CB chunks at a time from the last block back, each block's
+    # load issued a block ahead: the last block's first, so that it does not wait for the store
+    # of dF_ext below
+    ci = tl.arange(0, CB)
+    nblk = tl.cdiv(NC, CB)
+    s_next = _states_block(SIN, bi, h, (nblk - 1) * CB + ci, offs, mask, NC, H, PN)
     # dF_ext = sum_{r > RANK} exp(T_{RANK+1} + ... + T_{r-1}) dS_in(r): the weights a scan of the
     # totals shifted by one (sums only), the later ranks' rows in one 2-D load
     r = tl.arange(0, WP)
@@ -160,19 +177,17 @@ def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b
     # of this tile: CB chunks at a time from the last block back, each block's exclusive suffix as
     # a reverse scan of its totals shifted by one (sums only), its states in one 2-D load
     cs_row = bh * NC * Q
-    ci = tl.arange(0, CB)
-    nblk = tl.cdiv(NC, CB)
     after = tl.zeros([], dtype=tl.float32)
     for bb in range(0, nblk):
         c0 = (nblk - 1 - bb) * CB
         c = c0 + ci
         cm = c < NC
+        s_in = s_next.to(tl.float32)
+        s_next = _states_block(SIN, bi, h, c - CB, offs, mask, NC, H, PN)   # none after the first block
         hi = tl.minimum(c0 + CB, NC)
         w = tl.exp(after + tl.cumsum(_chunk_totals(CS, cs_row, c + 1, c0, hi, Q), 0, reverse=True))
         tl.store(FW + bh * NC + c, w, mask=cm & (c * 0 + pid == 0))
         tot = _chunk_totals(CS, cs_row, c, c0, NC, Q)
-        s_in = tl.load(SIN + ((bi * NC + c[:, None]) * H + h) * PN + offs[None, :],
-                       mask=cm[:, None] & mask[None, :], other=0.0).to(tl.float32)
         part = tl.exp(tot) * w * tl.sum(s_in * g[None, :], 1)
         tl.store(PARTS + (bh * NC + c) * PS + P0 + pid, part, mask=cm)
         after += tl.sum(tot, 0)
