@@ -98,10 +98,10 @@ def _ranks_block(world: int) -> int:
     return max(2, triton.next_power_of_2(world))
 
 
-# per kernel: elements of a state per program, and warps (the interpreter's block is smaller:
-# fewer, cheaper steps)
-# (H200, S1 split in 4, `bench_cp.py`: 2048 x 4 against 1024 x 4 cut the worst rank's extra
-# from 44.4 to 43.2 µs; 512 to 4096 elements, 2 to 8 warps tried)
+# per kernel: elements of a state per program, and warps.  On an H200 at S1 split in 4
+# (`bench_cp.py`), 2048 x 4 cut the worst rank's extra from 44.4 to 43.2 µs against 1024 x 4
+# (512 to 4096 elements and 2 to 8 warps tried).  The interpreter's block is smaller: fewer,
+# cheaper steps.
 LAUNCH = {"incoming": (2048, 4), "outgoing": (2048, 4)}
 
 

@@ -203,8 +203,9 @@ def with_cb(pr: Prepared, saved: "SSDSaved") -> "SSDSaved":
 
 def final_buffer(pr: Prepared, final: Optional[Tensor] = None) -> Tensor:
     """Where the states' launches write the final state: ``final`` when given ((batch, heads,
-    headdim, dstate) fp32, dense but for its batch stride: a caller's wider rows), else a new
-    dense tensor."""
+    headdim, dstate) fp32, dense but for its batch stride), else a new dense tensor.  Wider rows
+    are context parallelism's summary rows: the state walk also writes each head's total
+    log-decay right after a row's states (the per-chunk path leaves that to its caller)."""
     d = pr.dims
     if final is None:
         return torch.empty(d.b, d.h, d.p, d.n, device=pr.x.device, dtype=torch.float32)
