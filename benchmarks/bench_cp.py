@@ -193,7 +193,7 @@ def _forward_pieces(t: dict, s: dict, gathered: torch.Tensor, bench) -> dict:
         "incoming state (rank 3)": bench(lambda: incoming_state(gathered, last, cs, f_local, d.q, io)),
         "outgoing gradient (rank 0)": bench(lambda: outgoing_gradient(gathered[..., :hpn], totals, 0, cs, sin0,
                                                                        dtot, d.q, io)),
-        "total decay from cs": bench(lambda: chunk_totals(pr, cs).sum(-1)),
+        "total decay from cs (per-chunk path only: the walk writes it)": bench(lambda: chunk_totals(pr, cs).sum(-1)),
         "old: summaries (cumulative log-decay)": bench(lambda: cpf.ssd_summaries(
             t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)),
         "old: correction (+ z gate)": bench(lambda: cpf.ssd_correction(y0, t["C"], cum, s_in, t["z"])),

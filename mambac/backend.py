@@ -148,8 +148,8 @@ def _dynamo_fakes(example_inputs: Sequence[Any], mode, gm: torch.fx.GraphModule 
     dynamo's own size symbols; where dynamo holds no context for the tensor, the fake dynamo traced
     its placeholder with (``example_value``, same fake mode); the rest as given.  Fakified without
     either, a tensor gets sizes of its own, and an op relating it to dynamo's tensors (the loss's
-    labels and logits) pins the length.  (What pinned it with torch 2.11 on the GPU machine was
-    something else: ``mambac.capture.symbolic_dispatch``.)"""
+    labels and logits) pins the length.  (The pinning seen with torch 2.11 had another cause,
+    handled by ``mambac.capture.symbolic_dispatch``.)"""
     from torch._subclasses.fake_tensor import FakeTensor
     contexts = _symbolic_contexts()
     out = list(example_inputs)
