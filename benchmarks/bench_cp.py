@@ -175,24 +175,23 @@ def _bodies(t: dict, s: dict, gathered: torch.Tensor) -> dict:
 def _forward_pieces(t: dict, s: dict, gathered: torch.Tensor, bench) -> dict:
     """Time of the cp rank's own small launches (what the fold form adds besides the folds inside
     the chunk scan, dx and dB), and of the zero-start + correction form's pieces."""
-    from mambac.codegen.cp_combine_kernels import incoming_state, outgoing_gradient, outgoing_parts
+    from mambac.codegen.cp_combine_kernels import incoming_state, outgoing_gradient
     from mambac.codegen.ssd_kernels import forward_path, prepare, run_states
     from mambac.runtime.cp_ssd_fused import chunk_totals
     ct, inf = torch.float32, float("inf")
     pr = prepare(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"], None, s["q"], True, 0.0, inf)
     d, io = pr.dims, pr.region.torch_io
-    sin0, f_local, _, cs = run_states(pr, forward_path(pr))
+    _, f_local, _, cs = run_states(pr, forward_path(pr))
     last, hpn = s["world"] - 1, s["h"] * s["p"] * s["n"]
     totals = gathered[..., hpn:].contiguous()
-    dtot = torch.zeros(d.b * d.h, d.nc, 1 + outgoing_parts(d.p * d.n), device=cs.device)
     y0, local = torch.ops.mambac.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None, t["dt_bias"],
                                      None, s["q"], True, 0.0, inf)
     cum = cpf.ssd_summaries(t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)
     s_in = cpf.incoming_state(*cpf.unpack_summaries(gathered, (f_local, totals[0])), last)
     return {
         "incoming state (rank 3)": bench(lambda: incoming_state(gathered, last, cs, f_local, d.q, io)),
-        "outgoing gradient (rank 0)": bench(lambda: outgoing_gradient(gathered[..., :hpn], totals, 0, cs, sin0,
-                                                                       dtot, d.q, io)),
+        "outgoing gradient (rank 0)": bench(lambda: outgoing_gradient(gathered[..., :hpn], totals, 0, cs,
+                                                                       tuple(f_local.shape), d.q, io)),
         "total decay from cs (per-chunk path only: the walk writes it)": bench(lambda: chunk_totals(pr, cs).sum(-1)),
         "old: summaries (cumulative log-decay)": bench(lambda: cpf.ssd_summaries(
             t["dt"], t["A"], t["dt_bias"], True, 0.0, inf, ct)),

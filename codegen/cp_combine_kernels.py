@@ -23,8 +23,8 @@ from mambac.codegen.autotune import interpreting
 # Likewise in the backward the gradient of the state leaving chunk c is linear in the final
 # state's gradient: adding dF_ext (what later ranks send back) adds exp(tot_{c+1} + ... +
 # tot_{nc-1}) dF_ext to it, whose dots dx and dB add to their own, and exp(tot_c) <sin_c, that> to
-# the chunk's total-decay gradient, which ``outgoing_gradient`` sums here (the one pass over the
-# per-chunk states the exchange costs).  The weights are sums of decays, never differences.
+# the chunk's total-decay gradient, which dC's launch sums since it reads every sin_c anyway
+# (``ssd_kernels_bwd.run_dbc``'s part).  The weights are sums of decays, never differences.
 
 
 @triton.jit
@@ -140,15 +140,7 @@ def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: i
 
 
 @triton.jit
-def _states_block(SIN, bi, h, c, offs, mask, NC, H, PN):
-    """This tile of the states entering chunks ``c`` (a vector; zeros outside 0 <= c < NC), in
-    their dtype."""
-    return tl.load(SIN + ((bi * NC + c[:, None]) * H + h) * PN + offs[None, :],
-                   mask=((c >= 0) & (c < NC))[:, None] & mask[None, :], other=0.0)
-
-
-@triton.jit
-def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b, PS, P0,
+def _outgoing(E, TOT, CS, GS, FW, RANK, WORLD, NC, H, PN, se_j, se_b,
               Q: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, WP: tl.constexpr,
               EMULATE_BF16: tl.constexpr):
     pid = tl.program_id(0)
@@ -158,12 +150,6 @@ def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b
     nb = tl.num_programs(1) // H
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
-    # the per-chunk states are read CB chunks at a time from the last block back, each block's
-    # load issued a block ahead: the last block's first, so that it does not wait for the store
-    # of dF_ext below
-    ci = tl.arange(0, CB)
-    nblk = tl.cdiv(NC, CB)
-    s_next = _states_block(SIN, bi, h, (nblk - 1) * CB + ci, offs, mask, NC, H, PN)
     # dF_ext = sum_{r > RANK} exp(T_{RANK+1} + ... + T_{r-1}) dS_in(r): the weights a scan of the
     # totals shifted by one (sums only), the later ranks' rows in one 2-D load
     r = tl.arange(0, WP)
@@ -171,57 +157,43 @@ def _outgoing(E, TOT, CS, SIN, GS, FW, PARTS, RANK, WORLD, NC, H, PN, se_j, se_b
                                 other=0.0), 0)
     e = tl.load(E + r.to(tl.int64)[:, None] * se_j + bi * se_b + h * PN + offs[None, :],
                 mask=((r > RANK) & (r < WORLD))[:, None] & mask[None, :], other=0.0)
-    g = tl.sum(tl.exp(between)[:, None] * e, 0)
-    _store_rounded(GS + bh * PN + offs, g, mask, EMULATE_BF16)
-    # per chunk c, the weight exp(tot_{c+1} + ... + tot_{nc-1}) and the part exp(tot_c) w <sin_c, g>
-    # of this tile: CB chunks at a time from the last block back, each block's exclusive suffix as
-    # a reverse scan of its totals shifted by one (sums only), its states in one 2-D load
-    cs_row = bh * NC * Q
-    after = tl.zeros([], dtype=tl.float32)
-    for bb in range(0, nblk):
-        c0 = (nblk - 1 - bb) * CB
-        c = c0 + ci
-        cm = c < NC
-        s_in = s_next.to(tl.float32)
-        s_next = _states_block(SIN, bi, h, c - CB, offs, mask, NC, H, PN)   # none after the first block
-        hi = tl.minimum(c0 + CB, NC)
-        w = tl.exp(after + tl.cumsum(_chunk_totals(CS, cs_row, c + 1, c0, hi, Q), 0, reverse=True))
-        tl.store(FW + bh * NC + c, w, mask=cm & (c * 0 + pid == 0))
-        tot = _chunk_totals(CS, cs_row, c, c0, NC, Q)
-        part = tl.exp(tot) * w * tl.sum(s_in * g[None, :], 1)
-        tl.store(PARTS + (bh * NC + c) * PS + P0 + pid, part, mask=cm)
-        after += tl.sum(tot, 0)
+    _store_rounded(GS + bh * PN + offs, tl.sum(tl.exp(between)[:, None] * e, 0), mask, EMULATE_BF16)
+    # per chunk c, the weight exp(tot_{c+1} + ... + tot_{nc-1}) (one tile of each head): CB chunks
+    # at a time from the last block back, each block's exclusive suffix as a reverse scan of its
+    # totals shifted by one (sums only)
+    if pid == 0:
+        cs_row = bh * NC * Q
+        ci = tl.arange(0, CB)
+        after = tl.zeros([], dtype=tl.float32)
+        for bb in range(0, tl.cdiv(NC, CB)):
+            c0 = (tl.cdiv(NC, CB) - 1 - bb) * CB
+            c = c0 + ci
+            hi = tl.minimum(c0 + CB, NC)
+            w = tl.exp(after + tl.cumsum(_chunk_totals(CS, cs_row, c + 1, c0, hi, Q), 0, reverse=True))
+            tl.store(FW + bh * NC + c, w, mask=c < NC)
+            after += tl.sum(_chunk_totals(CS, cs_row, c, c0, NC, Q), 0)
 
 
-def outgoing_parts(pn: int) -> int:
-    """How many total-decay gradient parts ``outgoing_gradient`` adds per chunk, for states of
-    ``pn`` elements: the room its caller leaves after the reverse walk's own parts."""
-    return triton.cdiv(pn, _launch("outgoing")[0])
-
-
-def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, sin: Tensor, dtot: Tensor,
-                      chunk: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def outgoing_gradient(every: Tensor, totals: Tensor, rank: int, cs: Tensor, state_shape: tuple, chunk: int,
+                      dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The later ranks' gradient of this piece's final state, dF_ext: (dF_ext (b, h, p, n) in
     ``dtype``, the weights exp(tot_{c+1} + ... + tot_{nc-1}) (b, h, nc) fp32 with which it adds to
-    the gradient of the state leaving chunk c); the total-decay gradient parts it adds go into
-    the last ``outgoing_parts`` columns of ``dtot`` (b*h, nc, parts), left free for them.
-    ``every`` (W, b, >= h*p*n) fp32: every rank's incoming-state gradient in rank order;
-    ``totals`` (W, b, h) fp32 every rank's total log-decay (contiguous); ``sin`` (b, nc, h, p,
-    n) the states entering the chunks (from S_in); ``cs`` as for ``incoming_state``."""
+    the gradient of the state leaving chunk c).  ``every`` (W, b, >= h*p*n) fp32: every rank's
+    incoming-state gradient in rank order; ``totals`` (W, b, h) fp32 every rank's total log-decay
+    (contiguous); ``state_shape`` (b, h, p, n); ``cs`` as for ``incoming_state``.  What dF_ext adds
+    to the chunks' total-decay gradients dC's launch forms (``run_dbc``'s ``part``), since it
+    reads the per-chunk states anyway."""
     world = every.shape[0]
-    b, nc, h = sin.shape[0], sin.shape[1], sin.shape[2]
-    pn = sin[0, 0, 0].numel()
-    gs = torch.empty(b, h, *sin.shape[3:], device=sin.device, dtype=dtype)
-    fw = torch.empty(b, h, nc, device=sin.device, dtype=torch.float32)
+    b, h = state_shape[0], state_shape[1]
+    pn = int(torch.Size(state_shape[2:]).numel())
+    nc = cs.shape[-1] // chunk
+    gs = torch.empty(state_shape, device=cs.device, dtype=dtype)
+    fw = torch.empty(b, h, nc, device=cs.device, dtype=torch.float32)
     if every.stride(-1) != 1:
         every = every.contiguous()
     block, warps = _launch("outgoing")
-    tiles = triton.cdiv(pn, block)
-    if dtot.shape[:2] != (b * h, nc) or dtot.shape[-1] < tiles or not dtot.is_contiguous():
-        raise ValueError(f"outgoing_gradient: dtot {tuple(dtot.shape)} must be contiguous (b*h, nc, parts) "
-                         f"with its last {tiles} columns left for the exchange's parts")
-    _outgoing[(tiles, b * h)](every, totals, cs, sin, gs, fw, dtot, rank, world, nc, h, pn,
-                              every.stride(0), every.stride(1), dtot.shape[-1], dtot.shape[-1] - tiles,
-                              Q=chunk, BLOCK=block, CB=_chunk_block(nc), WP=_ranks_block(world),
-                              EMULATE_BF16=_emulate_bf16(dtype), num_warps=warps)
+    _outgoing[(triton.cdiv(pn, block), b * h)](every, totals, cs, gs, fw, rank, world, nc, h, pn,
+                                                 every.stride(0), every.stride(1), Q=chunk, BLOCK=block,
+                                                 CB=_chunk_block(nc), WP=_ranks_block(world),
+                                                 EMULATE_BF16=_emulate_bf16(dtype), num_warps=warps)
     return gs, fw

@@ -139,7 +139,7 @@ def _dx_epilogue(w: Writer, r: SSDRegion, j: int) -> None:
     w.line(dense_store("dx_ptr", "pos_s", h, "v_s", to_io(r, "dx")))
 
 
-def render_dbc(r: SSDRegion, which: str, tma: bool = False, fold: bool = False) -> str:
+def render_dbc(r: SSDRegion, which: str, tma: bool = False, fold: bool = False, part: bool = False) -> str:
     """``ssd_dc`` (which="c", target rows) or ``ssd_db`` (which="b", source rows).
 
     ``tma``: every tile through a tensor descriptor (EVEN launches only): ``ownd`` and ``otherd``
@@ -147,18 +147,24 @@ def render_dbc(r: SSDRegion, which: str, tma: bool = False, fold: bool = False) 
     dy (dc) or x (db) as (batch*seqlen, heads*headdim), ``sd`` over the states (S_in for dc, dS
     for db) as (batch*chunks*heads*headdim, dstate), ``dcbd`` over the dCB parts as
     (splits*batch*chunks*groups*chunk, chunk).  ``fold`` (db only, context parallelism,
-    ``ssd_db_fold``): the later ranks' part of dS enters as a second dot (``render_common.fold_dot``)."""
+    ``ssd_db_fold``): the later ranks' part of dS enters as a second dot (``render_common.fold_dot``).
+    ``part`` (dc only, context parallelism, ``ssd_dc_part``): the first row tile of each (chunk,
+    head) also writes the later ranks' part of the chunk's total-decay gradient (``_dc_part``)."""
     if which not in ("b", "c"):
         raise ValueError("which must be 'b' or 'c'")
     if fold and which != "b":
         raise ValueError("only db takes a fold")
+    if part and which != "c":
+        raise ValueError("only dc takes a total-decay part")
     q = r.chunk_size
-    name, own, other = f"ssd_d{which}" + ("_fold" if fold else ""), which, ("b" if which == "c" else "c")
+    name, own, other = (f"ssd_d{which}" + ("_fold" if fold else "") + ("_part" if part else ""), which,
+                        ("b" if which == "c" else "c"))
     w = Writer()
     header(w, name, r, f"Backward for {which.upper()} per group (the state path summed over a split's "
            "heads, the pair path from ssd_dcb), and the state path's cumsum-gradient piece.")
     args = ["x_ptr", "b_ptr", "c_ptr", "dy_ptr", "dtp_ptr", "cs_ptr",
-            "sin_ptr" if which == "c" else "dsout_ptr"] + (FOLD_ARGS if fold else []) + ["dcb_ptr", "out_ptr",
+            "sin_ptr" if which == "c" else "dsout_ptr"] + (FOLD_ARGS if fold else []) + (
+            PART_ARGS if part else []) + ["dcb_ptr", "out_ptr",
             "es_ptr" if which == "c" else "v_ptr", "L", "H", "HPG", "G", "NC", "P", "N",
             "HS", "NS", "DS", "sxb", "sxl", "sxh", "sbb", "sbl", "sbg", "scb", "scl", "scg"]
     args += ["ownd", "hd", "sd", "otherd", "dcbd"] + (["fsd"] if fold else []) if tma else []
@@ -184,6 +190,8 @@ def render_dbc(r: SSDRegion, which: str, tma: bool = False, fold: bool = False) 
             w.line(f"cs_r = tl.load(cs_ptr + row + {rows}, mask=in_{rows}, other=0.0)")
             if which == "c":
                 _dc_state_path(w, r, tma)
+                if part:
+                    _dc_part(w, r)
             else:
                 _db_state_path(w, r, tma, fold)
         _dbc_pairs(w, r, which, other, tma)
@@ -208,6 +216,26 @@ def _dc_state_path(w: Writer, r: SSDRegion, tma: bool = False) -> None:
     w.line(f"e = {dot(r, 'dy_t', f'st.to({r.tl_io})')} * tl.exp(cs_r)[:, None]")
     w.line("acc += e")
     w.line("tl.store(es_ptr + row + t, tl.sum(e * c_r.to(tl.float32), 1), mask=in_t)")
+
+
+# Context parallelism's part of dC's launch (``runtime/cp_ssd_fused``): the later ranks' gradient
+# of this piece's final state, dF_ext, adds gw_c dF_ext to the gradient of the state leaving chunk c
+# (gw_c = exp(tot_{c+1} + ... + tot_{nc-1})), hence exp(tot_c) gw_c <S_in,c, dF_ext> to the chunk's
+# total-decay gradient.  dC already reads S_in,c, so it forms that sum there: gs (b, h, p, n) in the
+# io dtype is dF_ext, gw (b, h, nc) fp32 the weights, and the part goes into column DT0 of the
+# decay-gradient rows (b*h, nc, DTS fp32).
+PART_ARGS = ["gs_ptr", "gw_ptr", "dtot_ptr", "DTS", "DT0"]
+
+
+def _dc_part(w: Writer, r: SSDRegion) -> None:
+    q = r.chunk_size
+    with w.block("if pid_m == 0:"):
+        w.comment("the later ranks' part of this chunk's total-decay gradient: exp(tot_c) gw_c <S_in, dF_ext>")
+        w.line("gw = tl.load(gw_ptr + (bi64 * H + hh) * NC + pid_c)")
+        w.line(f"tot = tl.load(cs_ptr + row + {q - 1})")
+        w.line("gs = " + state_tile("gs_ptr", "bi64 * H + hh", False))
+        w.line("inner = tl.sum(tl.sum(st.to(tl.float32) * gs.to(tl.float32), 1), 0)")
+        w.line("tl.store(dtot_ptr + ((bi64 * H + hh) * NC + pid_c) * DTS + DT0, tl.exp(tot) * gw * inner)")
 
 
 def _db_state_path(w: Writer, r: SSDRegion, tma: bool = False, fold: bool = False) -> None:

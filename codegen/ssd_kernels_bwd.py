@@ -58,6 +58,8 @@ DCB = Family(render_bwd_pairs.NAME, lambda r, c: render_bwd_pairs.render_dcb(r, 
 DX_FOLD = Family("ssd_dx_fold", lambda r, c: render_bwd_tiles.render_dx(r, c.heads, c.tma, fold=True),
                  dx_candidates)
 DC = Family("ssd_dc", lambda r, c: render_bwd_tiles.render_dbc(r, "c", c.tma), dc_candidates)
+DC_PART = Family("ssd_dc_part", lambda r, c: render_bwd_tiles.render_dbc(r, "c", c.tma, part=True),
+                 dc_candidates)
 DB = Family("ssd_db", lambda r, c: render_bwd_tiles.render_dbc(r, "b", c.tma), group_candidates)
 DB_FOLD = Family("ssd_db_fold", lambda r, c: render_bwd_tiles.render_dbc(r, "b", c.tma, fold=True),
                  group_candidates)
@@ -204,18 +206,28 @@ def stored_dtype(pr: Prepared, dtype: torch.dtype) -> torch.dtype:
 
 
 def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor, dcb: Tensor,
-            dtype: torch.dtype = torch.float32, fold: Optional[tuple] = None):
+            dtype: torch.dtype = torch.float32, fold: Optional[tuple] = None, part: Optional[tuple] = None):
     """dC (which="c", needs the incoming states) or dB ("b", needs dS leaving) in ``dtype``, and
     the state path's per-head cumsum-gradient piece (es or v).  Unsplit, the kernel stores in
     ``dtype`` itself (no conversion launch); split parts are fp32, summed, then converted.
-    ``fold`` (dB only): as for ``run_dx``."""
+    ``fold`` (dB only): as for ``run_dx``.  ``part`` (dC only, context parallelism): (dF_ext (b,
+    h, p, n) in the io dtype, its weights (b, h, nc) fp32, the decay-gradient rows (b*h, nc,
+    parts) fp32, contiguous): the kernel writes the later ranks' part of each chunk's total-decay
+    gradient into the rows' last column (``render_bwd_tiles._dc_part``)."""
+    if part is not None and (which != "c" or fold is not None):
+        raise ValueError("run_dbc: only dC takes a total-decay part, and without a fold")
+    if part is not None and (part[2].shape[:2] != (pr.dims.b * pr.dims.h, pr.dims.nc) or not part[2].is_contiguous()):
+        raise ValueError(f"run_dbc: the decay-gradient rows {tuple(part[2].shape)} must be contiguous "
+                         f"(b*h, nc, parts)")
     d = pr.dims
+    extra = list(fold or ()) + ([part[0], part[1], part[2], part[2].shape[-1], part[2].shape[-1] - 1]
+                                if part is not None else [])
     side = torch.empty_like(saved.cs)
 
     def launch(kern, cfg: TileConfig):
         out = torch.empty(d.b, d.l, cfg.splits, d.g, d.n, device=dy.device,
                           dtype=stored_dtype(pr, dtype) if cfg.splits == 1 else torch.float32)
-        args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state] + list(fold or ()) + [dcb, out, side, d.l, d.h,
+        args = [pr.x, pr.B, pr.C, dy, saved.dtp, saved.cs, state] + extra + [dcb, out, side, d.l, d.h,
                 d.hpg, d.g, d.nc, d.p, d.n, cfg.splits, dcb.shape[0], dcb[0].numel()]
         args += strides3(pr.x) + strides3(pr.B) + strides3(pr.C)
         even = even_tiles(d, cfg.block_m, cfg.block_k)
@@ -229,7 +241,7 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
                     dict(BT=cfg.block_m, BS=cfg.block_k, PP=d.pp, NP=d.np_, EVEN=even), cfg)
         return out
 
-    fam = DC if which == "c" else DB if fold is None else DB_FOLD
+    fam = (DC if part is None else DC_PART) if which == "c" else DB if fold is None else DB_FOLD
     out = run_family(fam, pr.region, d, launch)
     return (out[:, :, 0] if out.shape[2] == 1 else out.sum(2)).to(dtype), side
 
@@ -302,14 +314,23 @@ class PairChain:
     es: Tensor
 
 
-def start_pair_chain(pr: Prepared, saved: SSDSaved, dyv: Tensor, c_dtype: torch.dtype) -> PairChain:
+def start_pair_chain(pr: Prepared, saved: SSDSaved, dyv: Tensor, c_dtype: Optional[torch.dtype]) -> PairChain:
     """Queue dcb and dC (they need neither dS nor dx) on the side stream, if any; ``saved`` must
-    hold C B^T."""
+    hold C B^T.  ``c_dtype`` None: dcb only, the caller adds dC later (``add_dc``)."""
     branch = Branch(dyv.device)
     with branch.run():
         dcb, *pairs = run_dcb(pr, dyv, saved)
-        dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb, c_dtype)
+        dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb, c_dtype) if c_dtype is not None else (None, None)
     return PairChain(branch, dcb, tuple(pairs), dC, es)
+
+
+def add_dc(pr: Prepared, saved: SSDSaved, dyv: Tensor, c_dtype: torch.dtype, chain: PairChain,
+           part: tuple) -> PairChain:
+    """The pair chain with dC queued after everything queued so far on the current stream (on the
+    side stream, beside what follows), taking ``part`` as ``run_dbc`` does."""
+    with chain.branch.run():
+        dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, chain.dcb, c_dtype, part=part)
+    return PairChain(chain.branch, chain.dcb, chain.pairs, dC, es)
 
 
 def backward_after_passing(pr: Prepared, saved: SSDSaved, dyv: Tensor, dsout: Tensor, dtot: Tensor,

@@ -30,15 +30,17 @@ accounted for by their own weights on F_local):
 2. All-gather every rank's dS_in; dF_ext(k) = sum_{r>k} exp(T_{k+1} + ... + T_{r-1}) dS_in(r).
    The pass is linear in dfinal, so adding dF_ext adds exp(tot_{c+1} + ... + tot_{nc-1}) dF_ext
    to the gradient of chunk c's leaving state and exp(tot_c) <sin_c, that> to its total-decay
-   gradient (``outgoing_gradient``: one launch forms dF_ext, the weights and the decay-gradient
-   parts).  The last rank has no later ranks: dF_ext = 0 and step 1 is the answer.
+   gradient (``outgoing_gradient``: one launch forms dF_ext and the weights; dC, which reads
+   every sin_c anyway, forms the decay-gradient parts, so it waits for that launch on ranks that
+   have later ranks).  The last rank has no later ranks: dF_ext = 0 and step 1 is the answer.
 3. dx, dC (with the true sin), dB and the dt backward as in the plain SSD, dx and dB adding
    the weighted dF_ext's dot to their dot with each leaving-state gradient (their fold forms).
 
 Extra work over the local scan: the two small launches (the forward's reads the earlier ranks'
-final states, the backward's the later ranks' state gradients and the per-chunk states once), the
-folds inside the chunk scan, dx and dB (one more (headdim x dstate) tile per program, the same for
-every chunk of a head), the store of the folded states and the two all-gathers (the states'
+final states, the backward's the later ranks' state gradients), the folds inside the chunk scan,
+dx and dB (one more (headdim x dstate) tile per program, the same for every chunk of a head), the
+store of the folded states, dC's decay-gradient parts (one more tile and a sum per (chunk, head))
+and the two all-gathers (the states'
 launches write the final state straight into the summary row that is sent).  The exchange saves
 only the ranks' total decays (W, b, h) for the backward.
 """
@@ -52,7 +54,7 @@ from torch import Tensor
 
 from mambac.codegen.ssd_kernels import (Prepared, SSDSaved, forward_path, prepare, run_chunk_cb,
                                         run_chunk_scan, run_states, scan_cb_dtype, with_cb)
-from mambac.codegen.ssd_kernels_bwd import (backward_after_passing, run_gate_backward, run_states_bwd,
+from mambac.codegen.ssd_kernels_bwd import (add_dc, backward_after_passing, run_gate_backward, run_states_bwd,
                                             start_pair_chain)
 from mambac.codegen.streams import Branch
 
@@ -108,7 +110,7 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     """Backward launches around the gather: (dx, ddt, dA, dB, dC, dD, dz, ddt_bias) as
     ``backward_after_passing`` gives them (dB, dC in ``bc_dtypes``), dz in the io dtype (None
     without z)."""
-    from mambac.codegen.cp_combine_kernels import outgoing_gradient, outgoing_parts
+    from mambac.codegen.cp_combine_kernels import outgoing_gradient
     d, r, rank = pr.dims, pr.region, exchange.rank
     world = totals.shape[0]
     dz = None
@@ -117,14 +119,15 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
         dz, dyv = run_gate_backward(pr, saved, dy)
     else:
         dyv = dy.to(r.torch_io)
-    pairs = start_pair_chain(pr, saved, dyv, bc_dtypes[1])   # beside the state chain, as in the plain backward
     later = rank < world - 1           # the last rank has no later ranks: dF_ext = 0
-    room = outgoing_parts(d.p * d.n) if later else 0
-    dsout, ds_in, dtot = run_states_bwd(pr, dyv, saved, dfinal, room)
+    # beside the state chain, as in the plain backward; with later ranks dC waits for dF_ext
+    pairs = start_pair_chain(pr, saved, dyv, None if later else bc_dtypes[1])
+    dsout, ds_in, dtot = run_states_bwd(pr, dyv, saved, dfinal, 1 if later else 0)
     every = exchange.gather(ds_in.reshape(d.b, -1))          # rank 0's row is never read
     fold = None
-    if later:                          # its decay-gradient parts go into the room left in dtot
-        fold = outgoing_gradient(every, totals, rank, saved.cs, saved.sin, dtot, d.q, r.torch_io)
+    if later:                          # dC writes its decay-gradient parts into the column left in dtot
+        fold = outgoing_gradient(every, totals, rank, saved.cs, (d.b, d.h, d.p, d.n), d.q, r.torch_io)
+        pairs = add_dc(pr, saved, dyv, bc_dtypes[1], pairs, (fold[0], fold[1], dtot))
     dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, bc_dtypes, pairs, fold)
     return dx, ddt, dA, dB, dC, dD, dz, dbias
 

@@ -75,7 +75,9 @@ def cases() -> list[tuple]:
         out += [(f"ssd_chunk_scan_fold{tag}", render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True),
                  SCAN, scan),
                 (f"ssd_dx_fold{tag}", render_bwd_tiles.render_dx(r, 1, tma, fold=True), SCAN, dx),
-                (f"ssd_db_fold{tag}", render_bwd_tiles.render_dbc(r, "b", tma, fold=True), tiles, db)]
+                (f"ssd_db_fold{tag}", render_bwd_tiles.render_dbc(r, "b", tma, fold=True), tiles, db),
+                (f"ssd_dc_part{tag}", render_bwd_tiles.render_dbc(r, "c", tma, part=True), tiles,
+                 DC_DESCRIPTORS if tma else {})]
     out += [("ssd_chunk_state_tma", render_fwd.render_chunk_state(r, "forward", 1, True),
              dict(BT=32, BP=64, NP=128), {"xd": (32, 64), "bd": (32, 128)}),
             ("ssd_state_walk", render_state_walk.render_state_walk(r),

@@ -297,7 +297,8 @@ def test_fold_forms_add_the_fold_as_they_load_the_states(tma):
     zero-start state's dot with C, as a second dot (the summed state is formed only by the first
     row tile, which stores it); dx and dB likewise add a second dot with the later ranks' part of
     each leaving-state gradient.  The plain kernels take no fold, and only those three have a fold
-    form."""
+    form.  dC's part form adds, in its first row tile, the later ranks' part of each chunk's
+    total-decay gradient from the state it loads."""
     r = region(has_initial_state=False)
     scan = render_fwd.render_chunk_scan(r, 1, "forward", tma, fold=True)
     fs = ("fs_0 = tl.trans(fsd.load([(bi * H + h0 + 0) * P, 0]))" if tma
@@ -321,9 +322,19 @@ def test_fold_forms_add_the_fold_as_they_load_the_states(tma):
                     "f = (tl.dot(x_s, st.to(", "+ fw * tl.dot(x_s, fs", ")) * (dt_r")
     for src in (dx, db):
         assert ".to(tl.float32) + fw" not in src   # the summed state is never formed
+    dc = render_bwd_tiles.render_dbc(r, "c", tma, part=True)
+    assert_in_order(dc, "def ssd_dc_part(", "sin_ptr, gs_ptr, gw_ptr, dtot_ptr, DTS, DT0, dcb_ptr",
+                    "for hh in range(", "st = ", "e = ", "if pid_m == 0:",
+                    "gw = tl.load(gw_ptr + (bi64 * H + hh) * NC + pid_c)", "tot = tl.load(cs_ptr + row + 63)",
+                    "gs = tl.load(gs_ptr + (bi64 * H + hh) * P * N + offs_p[:, None] * N + offs_n[None, :]",
+                    "inner = tl.sum(tl.sum(st.to(tl.float32) * gs.to(tl.float32), 1), 0)",
+                    "tl.store(dtot_ptr + ((bi64 * H + hh) * NC + pid_c) * DTS + DT0, tl.exp(tot) * gw * inner)",
+                    "out = out_ptr")
     for src in all_sources(r).values():
-        assert "fs_ptr" not in src and "so_ptr" not in src
+        assert "fs_ptr" not in src and "so_ptr" not in src and "gs_ptr" not in src
     with pytest.raises(ValueError, match="only the forward chunk scan"):
         render_fwd.render_chunk_scan(r, 1, "gate_backward", tma, fold=True)
     with pytest.raises(ValueError, match="only db"):
         render_bwd_tiles.render_dbc(r, "c", tma, fold=True)
+    with pytest.raises(ValueError, match="only dc"):
+        render_bwd_tiles.render_dbc(r, "b", tma, part=True)
