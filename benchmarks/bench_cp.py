@@ -272,8 +272,9 @@ def _report(device, dtype, err, rows, parts, graphed, kernels) -> None:
             cp = graphed[kind, form]
             print(f"{kind}, GPU kernel time only (µs), {form}: local scan {base:.1f}, cp rank {cp:.1f}, "
                   f"extra {cp - base:.1f} µs, {100 * (cp - base) / base:.1f}%")
-            local = kernels[kind, "local scan"]   # a fold form's kernel against the plain one it replaces
-            extra = {k: v - local.get(k, local.get(k.replace("_fold", ""), 0.0)) for k, v in kernels[kind, form].items()}
+            local = kernels[kind, "local scan"]   # a fold or part form's kernel against the plain one it replaces
+            extra = {k: v - local.get(k, local.get(k.replace("_fold", "").replace("_part", ""), 0.0))
+                     for k, v in kernels[kind, form].items()}
             top = sorted(((v, k) for k, v in extra.items() if v > 0.5), reverse=True)[:8]
             print("  kernels it adds (µs per call): " + "; ".join(f"{k[:60]} {v:.1f}" for v, k in top))
     ranks = [f for f, _ in FORMS if f.startswith("cp rank") and "correction" not in f]

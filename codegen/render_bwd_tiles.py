@@ -189,6 +189,8 @@ def render_dbc(r: SSDRegion, which: str, tma: bool = False, fold: bool = False, 
             w.line(f"row = (bi64 * H + hh) * (NC * {q}) + pid_c * {q}")
             w.line(f"cs_r = tl.load(cs_ptr + row + {rows}, mask=in_{rows}, other=0.0)")
             if which == "c":
+                if part:
+                    _dc_part_load(w)
                 _dc_state_path(w, r, tma)
                 if part:
                     _dc_part(w, r)
@@ -222,20 +224,29 @@ def _dc_state_path(w: Writer, r: SSDRegion, tma: bool = False) -> None:
 # of this piece's final state, dF_ext, adds gw_c dF_ext to the gradient of the state leaving chunk c
 # (gw_c = exp(tot_{c+1} + ... + tot_{nc-1})), hence exp(tot_c) gw_c <S_in,c, dF_ext> to the chunk's
 # total-decay gradient.  dC already reads S_in,c, so it forms that sum there: gs (b, h, p, n) in the
-# io dtype is dF_ext, gw (b, h, nc) fp32 the weights, and the part goes into column DT0 of the
-# decay-gradient rows (b*h, nc, DTS fp32).
+# io dtype is dF_ext, gw (b, h, nc) fp32 the weights; the sum is left as P parts, one per row of
+# the state (a reduction within each row, no exchange between warps), in columns DT0 .. DT0 + P - 1
+# of the decay-gradient rows (b*h, nc, DTS fp32), which the dt backward adds up with the others.
 PART_ARGS = ["gs_ptr", "gw_ptr", "dtot_ptr", "DTS", "DT0"]
+
+
+def _dc_part_load(w: Writer) -> None:
+    """dF_ext's tile for head ``hh``, issued before the head's other loads; only the first row tile
+    of each chunk reads it (the others' loads are masked off)."""
+    w.line("gs = tl.load(gs_ptr + (bi64 * H + hh) * P * N + offs_p[:, None] * N + offs_n[None, :], "
+           "mask=m_p[:, None] & (m_n & (offs_n * 0 + pid_m == 0))[None, :], other=0.0)")
 
 
 def _dc_part(w: Writer, r: SSDRegion) -> None:
     q = r.chunk_size
     with w.block("if pid_m == 0:"):
-        w.comment("the later ranks' part of this chunk's total-decay gradient: exp(tot_c) gw_c <S_in, dF_ext>")
+        w.comment("the later ranks' part of this chunk's total-decay gradient, exp(tot_c) gw_c <S_in, dF_ext>,")
+        w.comment("one part per row of the state")
         w.line("gw = tl.load(gw_ptr + (bi64 * H + hh) * NC + pid_c)")
         w.line(f"tot = tl.load(cs_ptr + row + {q - 1})")
-        w.line("gs = " + state_tile("gs_ptr", "bi64 * H + hh", False))
-        w.line("inner = tl.sum(tl.sum(st.to(tl.float32) * gs.to(tl.float32), 1), 0)")
-        w.line("tl.store(dtot_ptr + ((bi64 * H + hh) * NC + pid_c) * DTS + DT0, tl.exp(tot) * gw * inner)")
+        w.line("rows_in = tl.sum(st.to(tl.float32) * gs.to(tl.float32), 1)")
+        w.line("tl.store(dtot_ptr + ((bi64 * H + hh) * NC + pid_c) * DTS + DT0 + offs_p, "
+               "tl.exp(tot) * gw * rows_in, mask=m_p)")
 
 
 def _db_state_path(w: Writer, r: SSDRegion, tma: bool = False, fold: bool = False) -> None:

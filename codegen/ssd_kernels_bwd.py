@@ -213,14 +213,16 @@ def run_dbc(pr: Prepared, which: str, dy: Tensor, saved: SSDSaved, state: Tensor
     ``fold`` (dB only): as for ``run_dx``.  ``part`` (dC only, context parallelism): (dF_ext (b,
     h, p, n) in the io dtype, its weights (b, h, nc) fp32, the decay-gradient rows (b*h, nc,
     parts) fp32, contiguous): the kernel writes the later ranks' part of each chunk's total-decay
-    gradient into the rows' last column (``render_bwd_tiles._dc_part``)."""
+    gradient into the rows' last ``headdim`` columns, one part per row of the state
+    (``render_bwd_tiles._dc_part``)."""
+    d = pr.dims
     if part is not None and (which != "c" or fold is not None):
         raise ValueError("run_dbc: only dC takes a total-decay part, and without a fold")
-    if part is not None and (part[2].shape[:2] != (pr.dims.b * pr.dims.h, pr.dims.nc) or not part[2].is_contiguous()):
+    if part is not None and (part[2].shape[:2] != (d.b * d.h, d.nc) or part[2].shape[-1] < d.p
+                             or not part[2].is_contiguous()):
         raise ValueError(f"run_dbc: the decay-gradient rows {tuple(part[2].shape)} must be contiguous "
-                         f"(b*h, nc, parts)")
-    d = pr.dims
-    extra = list(fold or ()) + ([part[0], part[1], part[2], part[2].shape[-1], part[2].shape[-1] - 1]
+                         f"(b*h, nc, parts) with at least headdim ({d.p}) parts")
+    extra = list(fold or ()) + ([part[0], part[1], part[2], part[2].shape[-1], part[2].shape[-1] - d.p]
                                 if part is not None else [])
     side = torch.empty_like(saved.cs)
 

@@ -122,10 +122,10 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
     later = rank < world - 1           # the last rank has no later ranks: dF_ext = 0
     # beside the state chain, as in the plain backward; with later ranks dC waits for dF_ext
     pairs = start_pair_chain(pr, saved, dyv, None if later else bc_dtypes[1])
-    dsout, ds_in, dtot = run_states_bwd(pr, dyv, saved, dfinal, 1 if later else 0)
+    dsout, ds_in, dtot = run_states_bwd(pr, dyv, saved, dfinal, d.p if later else 0)
     every = exchange.gather(ds_in.reshape(d.b, -1))          # rank 0's row is never read
     fold = None
-    if later:                          # dC writes its decay-gradient parts into the column left in dtot
+    if later:                          # dC writes its decay-gradient parts into the columns left in dtot
         fold = outgoing_gradient(every, totals, rank, saved.cs, (d.b, d.h, d.p, d.n), d.q, r.torch_io)
         pairs = add_dc(pr, saved, dyv, bc_dtypes[1], pairs, (fold[0], fold[1], dtot))
     dx, ddt, dA, dB, dC, dD, dbias = backward_after_passing(pr, saved, dyv, dsout, dtot, bc_dtypes, pairs, fold)

@@ -324,11 +324,13 @@ def test_fold_forms_add_the_fold_as_they_load_the_states(tma):
         assert ".to(tl.float32) + fw" not in src   # the summed state is never formed
     dc = render_bwd_tiles.render_dbc(r, "c", tma, part=True)
     assert_in_order(dc, "def ssd_dc_part(", "sin_ptr, gs_ptr, gw_ptr, dtot_ptr, DTS, DT0, dcb_ptr",
-                    "for hh in range(", "st = ", "e = ", "if pid_m == 0:",
-                    "gw = tl.load(gw_ptr + (bi64 * H + hh) * NC + pid_c)", "tot = tl.load(cs_ptr + row + 63)",
-                    "gs = tl.load(gs_ptr + (bi64 * H + hh) * P * N + offs_p[:, None] * N + offs_n[None, :]",
-                    "inner = tl.sum(tl.sum(st.to(tl.float32) * gs.to(tl.float32), 1), 0)",
-                    "tl.store(dtot_ptr + ((bi64 * H + hh) * NC + pid_c) * DTS + DT0, tl.exp(tot) * gw * inner)",
+                    "for hh in range(",
+                    "gs = tl.load(gs_ptr + (bi64 * H + hh) * P * N + offs_p[:, None] * N + offs_n[None, :], "
+                    "mask=m_p[:, None] & (m_n & (offs_n * 0 + pid_m == 0))[None, :]", "st = ", "e = ",
+                    "if pid_m == 0:", "gw = tl.load(gw_ptr + (bi64 * H + hh) * NC + pid_c)",
+                    "tot = tl.load(cs_ptr + row + 63)", "rows_in = tl.sum(st.to(tl.float32) * gs.to(tl.float32), 1)",
+                    "tl.store(dtot_ptr + ((bi64 * H + hh) * NC + pid_c) * DTS + DT0 + offs_p, "
+                    "tl.exp(tot) * gw * rows_in, mask=m_p)",
                     "out = out_ptr")
     for src in all_sources(r).values():
         assert "fs_ptr" not in src and "so_ptr" not in src and "gs_ptr" not in src
