@@ -12,8 +12,10 @@ chunk 256, bf16), times what one cp rank runs:
   reverse walk and the rest of the backward), with the incoming state formed by one small launch
   and taken by the chunk scan as a second dot beside each per-chunk state's on ranks > 0, and the
   later ranks' final-state gradient formed by one small launch and taken by dx and dB as a second
-  dot beside each state gradient's on ranks < 3, with the exchange given (gather: the gathered
-  tensor with this rank's summary in its slot);
+  dot beside each state gradient's (and by dC for the chunks' decay gradients) on ranks < 3, with
+  the exchange given (gather: the gathered tensor with this rank's summary in its slot);
+- cp rank r (fold, no final state): the same with ``final=False``, what ``split_sequence`` runs
+  when nothing reads the op's final state (the LMs): the final state is neither formed nor copied;
 - cp, zero-start + correction: the earlier form (``cp_ssd_corrected``: zero-start scan, cumulative
   log-decay, prefix combine, output correction ``y0 + exp(cum) C S_in`` with the z gate), the
   all-gather replaced by the tensor it would return.
@@ -94,12 +96,13 @@ def exchange_for(rank: int, world: int, gathered: torch.Tensor) -> Exchange:
 _EXCHANGES: dict[tuple, Exchange] = {}
 
 
-def cp_rank(t: dict, q: int, world: int, gathered: torch.Tensor, rank: int | None = None):
+def cp_rank(t: dict, q: int, world: int, gathered: torch.Tensor, rank: int | None = None, final: bool = True):
     """Cp rank ``rank`` (default: the last) running ``cp_ssd`` on generated kernels, the
-    exchange's results given."""
+    exchange's results given; ``final`` False: without the final state (as ``split_sequence``
+    runs it when nothing reads the state, e.g. the LMs)."""
     ex = exchange_for(world - 1 if rank is None else rank, world, gathered)
     return cp_ssd_fused(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["dt_bias"], q, True, 0.0,
-                        float("inf"), ex)
+                        float("inf"), ex, final)
 
 
 def cp_rank_corrected(t: dict, q: int, world: int, gathered: torch.Tensor):
@@ -118,12 +121,14 @@ def cp_rank_corrected(t: dict, q: int, world: int, gathered: torch.Tensor):
     return y, final
 
 
-def _rank_form(rank: int):
-    return lambda t, q, world, gathered: cp_rank(t, q, world, gathered, rank)
+def _rank_form(rank: int, final: bool):
+    return lambda t, q, world, gathered: cp_rank(t, q, world, gathered, rank, final)
 
 
+KEPT, DROPPED = "(fold)", "(fold, no final state)"
 FORMS = (("local scan", None), ("local scan, op", lambda t, q, world, gathered: local_op(t, q))) + tuple(
-    (f"cp rank {r} of 4 (fold)", _rank_form(r)) for r in range(4)) + (
+    (f"cp rank {r} of 4 {KEPT}", _rank_form(r, True)) for r in range(4)) + tuple(
+    (f"cp rank {r} of 4 {DROPPED}", _rank_form(r, False)) for r in range(4)) + (
     ("cp rank 3 of 4, zero-start + correction", cp_rank_corrected),)
 
 
@@ -277,16 +282,17 @@ def _report(device, dtype, err, rows, parts, graphed, kernels) -> None:
                      for k, v in kernels[kind, form].items()}
             top = sorted(((v, k) for k, v in extra.items() if v > 0.5), reverse=True)[:8]
             print("  kernels it adds (µs per call): " + "; ".join(f"{k[:60]} {v:.1f}" for v, k in top))
-    ranks = [f for f, _ in FORMS if f.startswith("cp rank") and "correction" not in f]
-    for kind in ("fwd", "fwd+bwd"):
-        if (kind, "local scan") not in graphed:
-            continue
-        worst = max(ranks, key=lambda f: graphed[kind, f])
-        for base_name in ("local scan", "local scan, op"):
-            base = graphed[kind, base_name]
-            extra = graphed[kind, worst] - base
-            print(f"summary, {kind}, GPU kernel time: worst rank ({worst}) extra {extra:.1f} µs = "
-                  f"{100 * extra / base:.1f}% of '{base_name}' ({base:.1f} µs)")
+    for variant in (KEPT, DROPPED):
+        ranks = [f for f, _ in FORMS if f.startswith("cp rank") and f.endswith(variant)]
+        for kind in ("fwd", "fwd+bwd"):
+            if (kind, "local scan") not in graphed:
+                continue
+            worst = max(ranks, key=lambda f: graphed[kind, f])
+            for base_name in ("local scan", "local scan, op"):
+                base = graphed[kind, base_name]
+                extra = graphed[kind, worst] - base
+                print(f"summary, {kind}, GPU kernel time: worst rank ({worst}) extra {extra:.1f} µs = "
+                      f"{100 * extra / base:.1f}% of '{base_name}' ({base:.1f} µs)")
 
 
 if __name__ == "__main__":

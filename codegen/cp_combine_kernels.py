@@ -6,6 +6,8 @@ memory: the kernels that read those states take the fold as a second dot
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -53,7 +55,7 @@ def _chunk_totals(CS, row, c, lo, hi, Q: tl.constexpr):
 @triton.jit
 def _incoming(G, CS, F0, FS, FINAL, FW, TOTALS, RANK, WORLD, NC, H, PN, HPN, sg_j, sg_b, sf_b,
               Q: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr, WP: tl.constexpr,
-              EMULATE_BF16: tl.constexpr):
+              EMULATE_BF16: tl.constexpr, HAS_FINAL: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bi = bh // H
@@ -62,7 +64,9 @@ def _incoming(G, CS, F0, FS, FINAL, FW, TOTALS, RANK, WORLD, NC, H, PN, HPN, sg_
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
     # this piece's own final state first: a load after the stores below would wait for them
-    f0 = tl.load(F0 + bi * sf_b + h * PN + offs, mask=mask, other=0.0)
+    # (HAS_FINAL false: nothing reads the final state, neither it nor F0 is touched)
+    if HAS_FINAL:
+        f0 = tl.load(F0 + bi * sf_b + h * PN + offs, mask=mask, other=0.0)
     # every rank's total decay T_j, kept (W, b, h) for the backward by one tile of each head
     j = tl.arange(0, WP)
     rows = G + j.to(tl.int64) * sg_j + bi * sg_b
@@ -85,7 +89,8 @@ def _incoming(G, CS, F0, FS, FINAL, FW, TOTALS, RANK, WORLD, NC, H, PN, HPN, sg_
         # (pid == 0 widened to a vector: under the interpreter pid is a plain int)
         tl.store(FW + bh * NC + c, tl.exp(prefix), mask=(c < NC) & (c * 0 + pid == 0))
         before += tl.sum(_chunk_totals(CS, cs_row, c, c0, NC, Q), 0)
-    tl.store(FINAL + bh * PN + offs, f0 + tl.exp(before) * s_in, mask=mask)
+    if HAS_FINAL:
+        tl.store(FINAL + bh * PN + offs, f0 + tl.exp(before) * s_in, mask=mask)
 
 
 def _chunk_block(nc: int) -> int:
@@ -110,9 +115,10 @@ def _launch(kernel: str) -> tuple[int, int]:
 
 
 def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: int,
-                   dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   dtype: torch.dtype, final: bool = True) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
     """The incoming state of a piece scanned from zero: (S_in (b, h, p, n) in ``dtype``, the
-    piece's final state from S_in (b, h, p, n) fp32, the weights exp(P_c) (b, h, nc) fp32, every
+    piece's final state from S_in (b, h, p, n) fp32, or None without ``final`` (``f0`` is then
+    not read), the weights exp(P_c) (b, h, nc) fp32, every
     rank's total log-decay (W, b, h) fp32), so that the state entering chunk c is its zero-start
     state plus exp(P_c) S_in.  ``gathered`` (W, b, >= h*p*n + h) fp32: every rank's final state
     from zero then its total log-decay, in rank order; ``cs`` (b, h, nc*chunk) fp32, the dA cumsum
@@ -124,19 +130,19 @@ def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: i
     nc = cs.shape[-1] // chunk
     world = gathered.shape[0]
     fs = torch.empty(f0.shape, device=f0.device, dtype=dtype)
-    final = torch.empty(f0.shape, device=f0.device, dtype=torch.float32)
+    out = torch.empty(f0.shape, device=f0.device, dtype=torch.float32) if final else fs
     fw = torch.empty(b, h, nc, device=f0.device, dtype=torch.float32)
     totals = torch.empty(world, b, h, device=f0.device, dtype=torch.float32)
     if gathered.stride(-1) != 1:
         gathered = gathered.contiguous()
-    if not f0[0].is_contiguous():       # any batch stride; dense within a batch
+    if final and not f0[0].is_contiguous():       # any batch stride; dense within a batch
         f0 = f0.contiguous()
     block, warps = _launch("incoming")
     _incoming[(triton.cdiv(pn, block), b * h)](
-        gathered, cs, f0, fs, final, fw, totals, rank, world, nc, h, pn, h * pn, gathered.stride(0),
+        gathered, cs, f0, fs, out, fw, totals, rank, world, nc, h, pn, h * pn, gathered.stride(0),
         gathered.stride(1), f0.stride(0), Q=chunk, BLOCK=block, CB=_chunk_block(nc), WP=_ranks_block(world),
-        EMULATE_BF16=_emulate_bf16(dtype), num_warps=warps)
-    return fs, final, fw, totals
+        EMULATE_BF16=_emulate_bf16(dtype), HAS_FINAL=final, num_warps=warps)
+    return fs, out if final else None, fw, totals
 
 
 @triton.jit

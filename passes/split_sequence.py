@@ -9,7 +9,8 @@ Guarantees:
   ``mamba3_mimo``) is replaced by its context-parallel form (``mambac.runtime.context_parallel``):
   a halo exchange for the conv, state passing (one all-gather of fp32 summaries whose size does
   not depend on the length, an exclusive prefix combine, a pass from the incoming state) for the
-  scans, forward and backward;
+  scans, forward and backward; an SSD whose final state nothing reads gets ``final=False``, so its
+  form does not form it;
 - per-token ops are left as they are (they need no communication);
 - a cross-entropy loss (rewritten by ``propagate_sharding`` into a token sum over a token count)
   has both all-reduced over the cp ranks, so every rank returns the mean over the whole sequence;
@@ -161,7 +162,10 @@ class _Splitter:
                                       f"{name.split('_', 1)[1]}; under cp the incoming state of each piece comes "
                                       "from the earlier ranks. Drop it, or run with cp=1.")
         call = [args[n] for n in names] + [{"full_len": self.full_len}[e] for e in extra] + list(self.group)
-        new = insert_before(node, "call_function", form, tuple(call), created_by=NAME)
+        # an SSD whose final state nothing reads: its cp form does not form it (a read and a write
+        # of the state saved on every rank but the first, a copy on the first)
+        kwargs = {"final": False} if info.name == "ssd" and not _reads_output(node, 1) else None
+        new = insert_before(node, "call_function", form, tuple(call), kwargs, created_by=NAME)
         for key in (PLACEMENT, FUSION):  # same placement, same fused prologue/epilogue
             if key in node.meta:
                 new.meta[key] = node.meta[key]
@@ -194,6 +198,13 @@ class _Splitter:
             self.stats.add("output_all_gather")
         for old, new in replaced.items():
             replace_input(out, old, new)
+
+
+def _reads_output(node: torch.fx.Node, index: int) -> bool:
+    """Whether any user of ``node`` may read its output ``index``: anything but a ``getitem`` of
+    another index, or of this one that nothing uses."""
+    return any(not (u.op == "call_function" and u.target is operator.getitem and (u.args[1] != index or not u.users))
+               for u in node.users)
 
 
 def _local_len(gm: torch.fx.GraphModule) -> int:

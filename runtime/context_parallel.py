@@ -141,21 +141,23 @@ def ssd_correction(y0: Tensor, C: Tensor, cum: Tensor, s_in: Tensor, z: Optional
 
 def cp_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
            dt_bias: Optional[Tensor], chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float,
-           rank: int, world: int, group: str) -> tuple[Tensor, Tensor]:
+           rank: int, world: int, group: str, final: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """SSD of this rank's piece (x (b, l_r, h, p)); the incoming state comes from the earlier ranks.
 
     Where generated kernels may run, the piece is the plain SSD from its incoming state with the
     exchange inside it (``cp_ssd_fused``: one extra state pass forward, one backward).  Otherwise
-    (PyTorch / float64) ``cp_ssd_corrected``."""
+    (PyTorch / float64) ``cp_ssd_corrected``.  ``final`` False (``split_sequence`` passes it when
+    nothing reads the op's final state): the final state is not formed and comes back as None."""
     if mambac.ops.kernels_enabled(x.device):
         from mambac.runtime import cp_ssd_fused as fused
         if fused.supported(x, dt, A, B, C, D, z, dt_bias):
             return fused.cp_ssd_fused(x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max,
-                                      summary_exchange(rank, world, group))
+                                      summary_exchange(rank, world, group), final)
         if fused.fake_form(x, dt, A, B, C, D, z, dt_bias):  # shapes and saved tensors of the form above
-            return fused.FakeCPSSD.apply(x, dt, A, B, C, D, z, dt_bias, int(chunk_size), world)
-    return cp_ssd_corrected(x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max,
-                            rank, world, group)
+            return fused.FakeCPSSD.apply(x, dt, A, B, C, D, z, dt_bias, int(chunk_size), world, bool(final))
+    y, last = cp_ssd_corrected(x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max,
+                               rank, world, group)
+    return y, last if final else None
 
 
 def summary_exchange(rank: int, world: int, group: str):
@@ -299,11 +301,13 @@ def exchange_bytes(form, inputs: tuple, outputs: tuple, world: int) -> int:
     again: a reduce-scatter, or for SSD on generated kernels an all-gather of the states'
     gradients): every rank's carried state (the form's outputs after the first), plus the total decays
     of the scans (and Mamba-3's boundary weights), fp32 except the conv halo (the input's dtype)."""
+    if form is cp_ssd:                                        # its final state may be dropped (None)
+        b, _, h, p = inputs[0].shape
+        return world * (b * h * p * inputs[3].shape[-1] + b * h) * 4
     carried = sum(t.numel() for t in outputs[1:])
     if form is cp_causal_conv1d:
         return world * carried * inputs[0].element_size()
     if form is cp_selective_scan:
         return world * 2 * carried * 4                       # state and log-decay, both (b, d, n)
     b, h = outputs[1].shape[0], outputs[1].shape[1]
-    per_head = 1 if form is cp_ssd else 2                     # log-decay (+ boundary weight)
-    return world * (carried + per_head * b * h) * 4
+    return world * (carried + 2 * b * h) * 4                  # log-decay and boundary weight

@@ -75,9 +75,10 @@ def chunk_totals(pr: Prepared, cs: Tensor) -> Tensor:
     return cs.view(d.b, d.h, d.nc, d.q)[..., d.q - 1]
 
 
-def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
+def forward_passes(pr: Prepared, exchange: Exchange, want_final: bool = True) -> tuple:
     """Forward launches around the gather: (y, final, SSDSaved, every rank's total decay (W, b, h))
-    (SSDSaved the tensors the backward reuses, its sin the states entering each chunk from S_in)."""
+    (SSDSaved the tensors the backward reuses, its sin the states entering each chunk from S_in);
+    final is None without ``want_final`` (then it is neither formed nor copied)."""
     from mambac.codegen.cp_combine_kernels import incoming_state
     d = pr.dims
     branch = Branch(pr.x.device)       # C B^T beside the states, as in the plain forward
@@ -94,11 +95,12 @@ def forward_passes(pr: Prepared, exchange: Exchange) -> tuple:
         torch.sum(chunk_totals(pr, cs), -1, out=summary[:, hpn:])
     gathered = exchange.gather(summary)
     if exchange.rank > 0:              # the launch also keeps every rank's total decay for the backward
-        fs, final, fw, totals = incoming_state(gathered, exchange.rank, cs, final, d.q, pr.region.torch_io)
+        fs, final, fw, totals = incoming_state(gathered, exchange.rank, cs, final, d.q, pr.region.torch_io,
+                                               want_final)
         sin = torch.empty_like(sin0)
         fold = (fs, fw, sin)
     else:                              # rank 0: nothing comes in, the zero-start states are the answer
-        sin, fold, final = sin0, None, final.contiguous()
+        sin, fold, final = sin0, None, final.contiguous() if want_final else None
         totals = gathered[..., -d.h:].contiguous()
     branch.join()
     y = run_chunk_scan(pr, dtp, cs, sin0, cb, fold=fold)
@@ -133,13 +135,15 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
 
 
 class CPSSDFunction(torch.autograd.Function):
-    """(x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, exchange) ->
-    (y, final): this rank's output and its true final state (fp32)."""
+    """(x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, exchange,
+    want_final) -> (y, final): this rank's output and its true final state (fp32; None without
+    ``want_final``)."""
 
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, exchange):
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, exchange,
+                want_final):
         pr = prepare(x, dt, A, B, C, D, z, dt_bias, None, chunk_size, dt_softplus, dt_min, dt_max)
-        y, final, saved, totals = forward_passes(pr, exchange)
+        y, final, saved, totals = forward_passes(pr, exchange, want_final)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, saved.dtp, saved.cs, saved.sin, totals)
         ctx.opts = (chunk_size, dt_softplus, dt_min, dt_max)
         ctx.exchange = exchange
@@ -157,7 +161,7 @@ class CPSSDFunction(torch.autograd.Function):
             pr, SSDSaved(dtp=dtp, cs=cs, sin=sin), totals, ctx.exchange, dy, dfinal, (B.dtype, C.dtype))
         return (dx, ddt, dA.to(A.dtype), dB, dC,
                 None if D is None else dD.to(D.dtype), None if z is None else dz.to(z.dtype),
-                None if dt_bias is None else dbias.to(dt_bias.dtype)) + (None,) * 5
+                None if dt_bias is None else dbias.to(dt_bias.dtype)) + (None,) * 6
 
 
 class FakeCPSSD(torch.autograd.Function):
@@ -168,7 +172,7 @@ class FakeCPSSD(torch.autograd.Function):
     the inputs' shapes."""
 
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, chunk_size, world):
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, chunk_size, world, want_final=True):
         b, l, h, p = x.shape
         n = B.shape[-1]
         steps = -(-l // chunk_size) * chunk_size
@@ -176,12 +180,12 @@ class FakeCPSSD(torch.autograd.Function):
         dtp, cs = x.new_empty(b, h, steps, dtype=f32), x.new_empty(b, h, steps, dtype=f32)
         sin = x.new_empty(b, steps // chunk_size, h, p, n)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, dtp, cs, sin, x.new_empty(world, b, h, dtype=f32))
-        return x.new_empty(b, l, h, p), x.new_empty(b, h, p, n, dtype=f32)
+        return x.new_empty(b, l, h, p), x.new_empty(b, h, p, n, dtype=f32) if want_final else None
 
     @staticmethod
     def backward(ctx, dy, dfinal):
         inputs = ctx.saved_tensors[:8]
-        return tuple(None if t is None else torch.zeros_like(t) for t in inputs) + (None, None)
+        return tuple(None if t is None else torch.zeros_like(t) for t in inputs) + (None, None, None)
 
 
 def fake_form(x: Tensor, *others: Optional[Tensor]) -> bool:
@@ -205,8 +209,10 @@ def supported(x: Tensor, *others: Optional[Tensor]) -> bool:
 
 def cp_ssd_fused(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                  z: Optional[Tensor], dt_bias: Optional[Tensor], chunk_size: int, dt_softplus: bool,
-                 dt_min: float, dt_max: float, exchange: Exchange) -> tuple[Tensor, Tensor]:
+                 dt_min: float, dt_max: float, exchange: Exchange,
+                 want_final: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """SSD of this rank's piece on the generated kernels, its incoming state met through
-    ``exchange``: (y, this rank's final state in fp32)."""
+    ``exchange``: (y, this rank's final state in fp32, or None without ``want_final``: a caller
+    that never reads it saves the final state's formation, a read and a write of it)."""
     return CPSSDFunction.apply(x, dt, A, B, C, D, z, dt_bias, int(chunk_size), bool(dt_softplus),
-                               float(dt_min), float(dt_max), exchange)
+                               float(dt_min), float(dt_max), exchange, bool(want_final))

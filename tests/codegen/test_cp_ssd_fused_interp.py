@@ -56,7 +56,7 @@ class Ranks:
             torch.autograd.grad(loss_of(r, outs[r]), used, retain_graph=True, allow_unused=True)
         for r in range(self.world):
             loss_of(r, outs[r]).backward()
-        return [tuple(o.detach() for o in out) for out in outs]
+        return [tuple(None if o is None else o.detach() for o in out) for out in outs]
 
 
 def make_inputs(seed, b, l, h, g, p, n, *, z, D, bias, dtype):
@@ -163,6 +163,31 @@ def test_matches_float64_on_the_state_walk(world, dtype):
     errs = {"y": rel_err(torch.cat([o[0] for o in outs], 1), y_ref)}
     errs.update({f"final{r}": rel_err(o[1], f) for r, (o, f) in enumerate(zip(outs, finals_ref))})
     check_grads(errs, NAMES, [None if a is None else a.grad for a in got], got, ref, TOL[dtype])
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("walk", [True, False])
+def test_without_the_final_state(walk):
+    """``want_final=False`` (what ``split_sequence`` asks for when nothing reads the final state):
+    every rank's final state is None, and y and every gradient still match the float64 referee
+    (the loss reads y only), on the state walk and on the per-chunk path."""
+    world, b, h, chunk = 3, 1, 3, 16
+    p, n, l = (16, 16, world * 2 * chunk) if walk else (4, 8, 40)
+    args = make_inputs(11, b, l, h, 1, p, n, z=True, D="head", bias=True, dtype=F32)
+    dy = torch.randn(b, l, h, p, generator=torch.Generator().manual_seed(3))
+    ref = [None if a is None else a.double().requires_grad_() for a in args]
+    y_ref, _ = referee_outputs(ref, world, (0.0, math.inf))
+    (y_ref * dy.double()).sum().backward()
+    got = [None if a is None else a.clone().requires_grad_() for a in args]
+
+    def forward(rank, exchange):
+        return cp_ssd_fused(*[piece(t, rank, world) for t in got], chunk, True, 0.0, math.inf, exchange,
+                            want_final=False)
+
+    outs = Ranks(world).run(forward, lambda rank, out: (out[0] * piece(dy, rank, world)).sum(), got)
+    assert all(o[1] is None for o in outs)
+    errs = {"y": rel_err(torch.cat([o[0] for o in outs], 1), y_ref)}
+    check_grads(errs, NAMES, [None if a is None else a.grad for a in got], got, ref, TOL[F32])
 
 
 @pytest.mark.interp

@@ -35,6 +35,32 @@ def test_every_rank_gets_cp_forms_of_its_sequence_ops():
         assert f"cp_ssd" in gm_text and f", {rank // 2}, 2, 'cp')" in gm_text  # this rank's cp coordinate
 
 
+class _ReturnsFinal(nn.Module):
+    """A bare SSD that returns its output and, if asked, its final state."""
+
+    def __init__(self, keep_final):
+        super().__init__()
+        self.A = nn.Parameter(-torch.rand(2) - 0.5)
+        self.keep_final = keep_final
+
+    def forward(self, x, dt, B, C):
+        y, final = torch.ops.mambac.ssd(x, dt, self.A, B, C, None, None, None, None, 4, True, 0.0, float("inf"))
+        return (y, final) if self.keep_final else y
+
+
+@pytest.mark.parametrize("keep_final", [False, True])
+def test_ssd_forms_skip_a_final_state_nothing_reads(keep_final):
+    lm = lower_all_ranks(tiny_lm("mamba2", n_layer=2, ssm_cfg=M2), (_ids(), _ids()), 2, cp=2)[1].gm
+    assert [n.kwargs for n in lm.graph.nodes if n.target is cpf.cp_ssd] == [{"final": False}] * 2
+    g = torch.Generator().manual_seed(0)
+    ins = (torch.randn(1, 12, 2, 4, generator=g), torch.rand(1, 12, 2, generator=g),
+           torch.randn(1, 12, 1, 4, generator=g), torch.randn(1, 12, 1, 4, generator=g))
+    gm = lower_all_ranks(_ReturnsFinal(keep_final), ins, 2, cp=2, output="sharded")[1].gm
+    (node,) = [n for n in gm.graph.nodes if n.target is cpf.cp_ssd]
+    assert node.kwargs == ({} if keep_final else {"final": False})
+    assert (node.meta["val"][1] is None) != keep_final
+
+
 @pytest.mark.parametrize("family", ["mamba1", "mamba3"])
 def test_other_families_use_their_cp_forms(family):
     cfg = dict(layer="Mamba1", d_state=8) if family == "mamba1" else dict(layer="Mamba3", d_state=8, headdim=8,
