@@ -96,7 +96,8 @@ def cases() -> list[tuple]:
             ("ssd_dc_tma", render_bwd_tiles.render_dbc(r, "c", True), tiles, DC_DESCRIPTORS),
             ("ssd_db_tma", render_bwd_tiles.render_dbc(r, "b", True), tiles, DB_DESCRIPTORS)]
     small = dict(Q=256, BLOCK=1024, CB=4, WP=4, EMULATE_BF16=False)
-    out += [("cp_incoming", cp_combine_kernels._incoming, small, {}, SMALL),
+    out += [("cp_incoming", cp_combine_kernels._incoming, dict(small, HAS_FINAL=True), {}, SMALL),
+            ("cp_incoming_without_final", cp_combine_kernels._incoming, dict(small, HAS_FINAL=False), {}, SMALL),
             ("cp_outgoing", cp_combine_kernels._outgoing, small, {}, SMALL)]
     return out
 

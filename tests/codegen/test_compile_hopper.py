@@ -25,4 +25,4 @@ def test_generated_kernels_compile_for_sm90(tmp_path):
                         "ssd_chunk_state_tma", "ssd_state_walk",
                         "ssd_state_pass", "ssd_chunk_scan_tma", "ssd_gate_backward_tma", "ssd_chunk_dstate_tma",
                         "ssd_state_walk_bwd", "ssd_dx_tma", "ssd_dcb_tma", "ssd_dc_tma", "ssd_db_tma",
-                        "cp_incoming", "cp_outgoing"]
+                        "cp_incoming", "cp_incoming_without_final", "cp_outgoing"]
