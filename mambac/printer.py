@@ -20,7 +20,7 @@ def format_val(val: Any) -> str:
     if isinstance(val, torch.Tensor):
         return f"{_DTYPES.get(val.dtype, str(val.dtype).replace('torch.', ''))}[{', '.join(str(s) for s in val.shape)}]"
     if isinstance(val, (tuple, list)):
-        return "(" + ", ".join(format_val(v) for v in val) + ")"
+        return "(" + ", ".join("None" if v is None else format_val(v) for v in val) + ")"
     return "" if val is None else type(val).__name__
 
 
