@@ -130,6 +130,7 @@ def incoming_state(gathered: Tensor, rank: int, cs: Tensor, f0: Tensor, chunk: i
     nc = cs.shape[-1] // chunk
     world = gathered.shape[0]
     fs = torch.empty(f0.shape, device=f0.device, dtype=dtype)
+    # without ``final`` the kernel's FINAL pointer is a placeholder it never writes through
     out = torch.empty(f0.shape, device=f0.device, dtype=torch.float32) if final else fs
     fw = torch.empty(b, h, nc, device=f0.device, dtype=torch.float32)
     totals = torch.empty(world, b, h, device=f0.device, dtype=torch.float32)
