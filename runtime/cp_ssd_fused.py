@@ -40,9 +40,10 @@ Extra work over the local scan: the two small launches (the forward's reads the 
 final states, the backward's the later ranks' state gradients), the folds inside the chunk scan,
 dx and dB (one more (headdim x dstate) tile per program, the same for every chunk of a head), the
 store of the folded states, dC's decay-gradient parts (one more tile and a sum per (chunk, head))
-and the two all-gathers (the states'
-launches write the final state straight into the summary row that is sent).  The exchange saves
-only the ranks' total decays (W, b, h) for the backward.
+and the two all-gathers (the states' launches write the final state straight into the summary row
+that is sent).  The exchange saves only the ranks' total decays (W, b, h) for the backward.
+Without ``want_final`` (nothing reads the final state) the forward's small launch neither reads
+this piece's final state from zero nor writes its true one.
 """
 from __future__ import annotations
 
