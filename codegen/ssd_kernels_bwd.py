@@ -316,13 +316,14 @@ class PairChain:
     es: Tensor
 
 
-def start_pair_chain(pr: Prepared, saved: SSDSaved, dyv: Tensor, c_dtype: Optional[torch.dtype]) -> PairChain:
+def start_pair_chain(pr: Prepared, saved: SSDSaved, dyv: Tensor, c_dtype: torch.dtype,
+                     with_dc: bool = True) -> PairChain:
     """Queue dcb and dC (they need neither dS nor dx) on the side stream, if any; ``saved`` must
-    hold C B^T.  ``c_dtype`` None: dcb only, the caller adds dC later (``add_dc``)."""
+    hold C B^T.  ``with_dc`` False: dcb only, the caller adds dC later (``add_dc``)."""
     branch = Branch(dyv.device)
     with branch.run():
         dcb, *pairs = run_dcb(pr, dyv, saved)
-        dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb, c_dtype) if c_dtype is not None else (None, None)
+        dC, es = run_dbc(pr, "c", dyv, saved, saved.sin, dcb, c_dtype) if with_dc else (None, None)
     return PairChain(branch, dcb, tuple(pairs), dC, es)
 
 

@@ -35,7 +35,7 @@ from mambac.errors import MambacPassError
 from mambac.ir import CP_LENGTH, FUSION, MESH, PLACEMENT, VAL, source_of
 from mambac.ops._common import info_for_target
 from mambac.passes.context import PassContext
-from mambac.passes.rewrite import insert_after, insert_before, replace_input, replace_uses
+from mambac.passes.rewrite import insert_after, insert_before, output_of, replace_input, replace_uses
 from mambac.runtime import context_parallel as cpf
 from mambac.runtime import parallel_ops as pops
 
@@ -201,10 +201,13 @@ class _Splitter:
 
 
 def _reads_output(node: torch.fx.Node, index: int) -> bool:
-    """Whether any user of ``node`` may read its output ``index``: anything but a ``getitem`` of
-    another index, or of this one that nothing uses."""
-    return any(not (u.op == "call_function" and u.target is operator.getitem and (u.args[1] != index or not u.users))
-               for u in node.users)
+    """Whether a user of ``node`` may read its output ``index``: a ``getitem`` of that index that
+    something uses, or any user that is not a ``getitem``."""
+    def reads(user: torch.fx.Node) -> bool:
+        if output_of(user, index) is node:
+            return bool(user.users)
+        return not (user.op == "call_function" and user.target is operator.getitem)
+    return any(reads(u) for u in node.users)
 
 
 def _local_len(gm: torch.fx.GraphModule) -> int:

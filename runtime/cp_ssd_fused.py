@@ -124,7 +124,7 @@ def backward_passes(pr: Prepared, saved: SSDSaved, totals: Tensor, exchange: Exc
         dyv = dy.to(r.torch_io)
     later = rank < world - 1           # the last rank has no later ranks: dF_ext = 0
     # beside the state chain, as in the plain backward; with later ranks dC waits for dF_ext
-    pairs = start_pair_chain(pr, saved, dyv, None if later else bc_dtypes[1])
+    pairs = start_pair_chain(pr, saved, dyv, bc_dtypes[1], with_dc=not later)
     dsout, ds_in, dtot = run_states_bwd(pr, dyv, saved, dfinal, d.p if later else 0)
     every = exchange.gather(ds_in.reshape(d.b, -1))          # rank 0's row is never read
     fold = None
