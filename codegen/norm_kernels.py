@@ -141,7 +141,7 @@ def add_forward(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     r = AddNormRegion(has_residual=residual is not None, width_pow2=pow2(n),
                       hints=stride_hints(**_row_strides(N=n, sxm=x2, srm=r2)))
     m = x2.shape[0]
-    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    out = torch.empty(x.shape, device=x.device, dtype=weight.dtype)
     res_out = torch.empty(x.shape, device=x.device, dtype=_res_dtype(x, residual_in_fp32))
     args = [x2] + ([r2] if r2 is not None else []) + [weight.contiguous(), out, res_out, m, n, float(eps),
                                                       x2.stride(0)]

@@ -65,4 +65,6 @@ class Mamba(nn.Module):
         y = ops.selective_scan(x, delta, A, B.transpose(1, 2), C.transpose(1, 2))
         y = y + x * self.D.float().unsqueeze(-1)
         y = y * F.silu(z)
-        return self.out_proj(y.transpose(1, 2))
+        # the fp32 D skip promoted y; back to the scan input's dtype, as mamba_ssm's kernels return it
+        # (a no-op in fp32 and wherever fuse_ssm folded the skip and the gate into the scan)
+        return self.out_proj(y.type_as(x).transpose(1, 2))

@@ -1,7 +1,9 @@
 """``mambac::add_rmsnorm``: residual add followed by RMSNorm, the pre-norm block entry.
 
 ``residual_out = x + residual`` (just ``x`` when there is no residual yet), computed in fp32 when
-``residual_in_fp32``; ``out = rmsnorm(residual_out) * weight`` in x's dtype.  Returns
+``residual_in_fp32``; ``out = rmsnorm(residual_out) * weight`` in the weight's dtype, as
+mamba_ssm's unfused blocks and transformers' norms give it (``norm(residual.to(weight.dtype))``):
+a bf16 model whose residual stream is kept in fp32 feeds its mixers bf16.  Returns
 ``(out, residual_out)``: the normalised stream feeds the mixer, the sum is the new residual.
 A plain RMSNorm is this op with ``residual=None`` (``mambac.ops.rms_norm``).
 """
@@ -28,7 +30,7 @@ def reference(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
     h = x.to(ct) if residual is None else x.to(ct) + residual.to(ct)
     res_out = h.to(_residual_dtype(x, residual_in_fp32))
     out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.to(ct)
-    return out.to(x.dtype), res_out
+    return out.to(weight.dtype), res_out
 
 
 @torch.library.custom_op("mambac::add_rmsnorm", mutates_args=())
@@ -40,7 +42,8 @@ def add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: f
 
 @add_rmsnorm_op.register_fake
 def _fake(x, residual, weight, eps, residual_in_fp32):
-    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=_residual_dtype(x, residual_in_fp32))
+    return (x.new_empty(x.shape, dtype=weight.dtype),
+            x.new_empty(x.shape, dtype=_residual_dtype(x, residual_in_fp32)))
 
 
 register_recompute_autograd(add_rmsnorm_op, reference, n_outputs=2)

@@ -129,30 +129,35 @@ def test_gated_rmsnorm_kernels(gate, group, dtype):
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize("residual,fp32_res,dtype", [
-    (True, False, torch.float32), (False, False, torch.float32), (True, True, torch.bfloat16),
+@pytest.mark.parametrize("residual,fp32_res,dtype,wdtype", [
+    (True, False, torch.float32, torch.float32), (False, False, torch.float32, torch.float32),
+    (True, True, torch.bfloat16, torch.float32), (True, True, torch.bfloat16, torch.bfloat16),
+    (False, True, torch.float32, torch.bfloat16),
 ])
-def test_add_rmsnorm_kernels(residual, fp32_res, dtype):
+def test_add_rmsnorm_kernels(residual, fp32_res, dtype, wdtype):
+    """``out`` in the weight's dtype, ``residual_out`` in x's (fp32 with ``residual_in_fp32``); the
+    last case is a bf16 block's norm of its fp32 residual sum."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(7, 33, generator=gen).to(dtype)
     r = torch.randn(7, 33, generator=gen).to(dtype) if residual else None
-    w = torch.randn(33, generator=gen)
+    w = torch.randn(33, generator=gen).to(wdtype)
     res_dtype = torch.float32 if fp32_res else dtype
-    go = torch.randn(7, 33, generator=gen).to(dtype)
+    go = torch.randn(7, 33, generator=gen).to(wdtype)
     gr = torch.randn(7, 33, generator=gen).to(res_dtype)
     (o_ref, r_ref), grads_ref = _referee(lambda a, b, c: add_ref(a, b, c, 1e-5, fp32_res), [x, r, w], [go, gr])
     out, res_out = norm_kernels.add_forward(x, r, w, 1e-5, fp32_res)
-    assert out.dtype == dtype and res_out.dtype == res_dtype
-    _check("out", out, o_ref, dtype)
-    _check("residual_out", res_out, r_ref, dtype)
+    assert out.dtype == wdtype and res_out.dtype == res_dtype
+    tol = torch.bfloat16 if torch.bfloat16 in (dtype, wdtype) else dtype
+    _check("out", out, o_ref, tol)
+    _check("residual_out", res_out, r_ref, tol)
     for name, g, ref in zip(("dx", "dresidual", "dweight"), norm_kernels.add_backward(go, gr, x, r, w, 1e-5),
                             grads_ref):
         assert (g is None) == (ref is None), name
         if ref is not None:
-            _check(name, g, ref, dtype)
+            _check(name, g, ref, tol)
     # only the residual stream's gradient (the normalised output unused)
     dx, _, dw = norm_kernels.add_backward(None, gr, x, r, w, 1e-5)
-    _check("dx (no dout)", dx, gr.double(), dtype)
+    _check("dx (no dout)", dx, gr.double(), tol)
     assert dw.abs().max() == 0
 
 

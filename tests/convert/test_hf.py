@@ -101,3 +101,21 @@ def test_hf_config_fields_map_onto_mambac():
     assert cfg.norm_epsilon == 1e-2 and cfg.residual_in_fp32 is False and cfg.tie_embeddings is False
     m1 = hf.mambac_config({"model_type": "mamba", "hidden_size": 40})
     assert m1.ssm_cfg["dt_rank"] == 3 and m1.tie_embeddings is True
+
+
+@pytest.mark.parametrize("name", ["mamba_lm", "mamba2_lm_groups"])
+def test_bf16_hf_models_compile(name):
+    """An HF model loaded in bf16 (``residual_in_fp32`` on, HF's default): its conversion runs
+    eagerly, and the compiled model gives bf16 logits as close to a float64 copy as HF's own bf16
+    forward is."""
+    import copy
+
+    m64 = hf_model(name).double()
+    model = copy.deepcopy(m64).to(torch.bfloat16)
+    assert model.config.residual_in_fp32
+    ids = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(2))
+    ref, out, out_64 = hf_output(model, ids), mambac.compile(model)(ids), hf_output(m64, ids)
+    assert out.dtype == torch.bfloat16
+    err, err_hf = rel_err(out, out_64), rel_err(ref, out_64)
+    assert err <= 3e-2 and err <= 2 * err_hf + 1e-3, (err, err_hf)
+    assert rel_err(convert(model)(ids), out_64) <= 2 * err_hf + 1e-3

@@ -66,3 +66,15 @@ def test_unsharded_state_dict_loads(tp2):
 
 def test_world_size_must_match_the_process_group(tp2):
     assert "process group has 2 ranks" in tp2[0]["wrong_world"]
+
+
+def test_bf16_models_on_two_ranks(tp2):
+    """bf16 models (fp32 residual stream) under tp, tp + sp and cp: logits and gradients as close
+    to the float64 model as single-process eager bf16 is."""
+    for rank_result in tp2:
+        found = {k: v for k, v in rank_result.items() if k.startswith("bf16 ")}
+        assert len(found) == 3, sorted(rank_result)
+        for key, res in found.items():
+            assert res["dtype"] == "torch.bfloat16", key
+            assert res["logits"] <= 2 * res["logits_eager"] + 1e-3, (key, res)
+            assert res["grad"] <= 2 * res["grad_eager"] + 1e-2, (key, res)

@@ -100,6 +100,30 @@ TP2 = ("mamba1", "mamba2", "mamba2_groups", "mamba2_oddheads_normbeforegate_mlp"
 TP2_SP = ("mamba1", "mamba2_groups", "mamba2_groups_hdimD_nonorm_limit", "mamba2_bias", "mamba3_siso")
 
 
+BF16 = (("mamba1", dict(tp=2)), ("mamba2", dict(tp=2, sequence_parallel=True)), ("mamba2", dict(cp=2)))
+
+
+def check_bf16(name: str, world: int, **opts) -> dict:
+    """A bf16 copy of a float64 model, compiled with ``opts``: errors of its logits and gradients
+    (gathered) against the float64 model, beside the same errors of single-process eager bf16."""
+    import copy
+
+    m64 = model_for(name).double()
+    model = copy.deepcopy(m64).to(torch.bfloat16)
+    compiled = mambac.compile(model, world_size=world, **opts)
+    ids, labels = batch(11, seqlen=10)
+    ref, out = m64(ids), compiled(ids)
+    res = {"dtype": str(out.dtype), "logits": rel_err(out, ref), "logits_eager": rel_err(model(ids), ref)}
+    compiled(ids, labels).backward()
+    m64(ids, labels).backward()
+    got, want = gathered_grads(compiled), dict(m64.named_parameters())
+    res["grad"] = max(rel_err(got[k], want[k].grad) for k in got)
+    model.zero_grad()
+    model(ids, labels).backward()
+    res["grad_eager"] = max(rel_err(p.grad, want[k].grad) for k, p in model.named_parameters())
+    return res
+
+
 def scenario_tp2(world: int) -> dict:
     res = {}
     for name in TP2:
@@ -108,6 +132,8 @@ def scenario_tp2(world: int) -> dict:
         res[name + "+sp"] = check_config(name, world, sequence_parallel=True)
     res["override"] = check_config("mamba2_groups", world, plan={"backbone.layers.0.mixer": "replicate"})
     res["dp_only"] = check_config("mamba1", world, dp=world)
+    for name, opts in BF16:
+        res[f"bf16 {name} {sorted(opts.items())}"] = check_bf16(name, world, **opts)
     res.update(sharded_output(world), wrong_world=wrong_world_size(world), reload=reload_weights(world))
     return res
 

@@ -45,14 +45,19 @@ def test_add_rmsnorm(with_res, fp32_res):
     compare_fwd_bwd(lambda x, r, w: add_rmsnorm(x, r, w, 1e-6, fp32_res), ref, [x, r, w])
 
 
-def test_bf16_residual_in_fp32():
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_bf16_residual_in_fp32(wdtype):
+    """The residual stream stays fp32; the normalised output takes the weight's dtype (a bf16
+    model's mixer gets bf16 even though the sum it normalises is fp32)."""
     x = torch.randn(2, 4, 8).bfloat16()
     r = torch.randn(2, 4, 8)
-    w = torch.ones(8)
+    w = torch.randn(8).to(wdtype)
     out, res = add_rmsnorm(x, r, w, 1e-5, True)
-    assert out.dtype == torch.bfloat16 and res.dtype == torch.float32
+    assert out.dtype == wdtype and res.dtype == torch.float32
     assert rel_err(res, x.float() + r) == 0.0
     assert rel_err(out, gated_referee(x.double() + r.double(), w.double(), None, 1e-5, 8, False)) < 1e-2
+    out, res = add_rmsnorm(res, None, w, 1e-5, True)   # the fp32 sum alone, as an unfused block passes it
+    assert out.dtype == wdtype and res.dtype == torch.float32
 
 
 def test_rms_norm_does_not_alias_input():
