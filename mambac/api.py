@@ -10,18 +10,28 @@ from mambac.options import CompileOptions
 from mambac.runtime.compiled_module import CompiledModule
 
 
+class _LMInputChecks:
+    """Token ids inside the vocabulary, labels shaped like the ids (a class, so that a compiled
+    module pickles with its checks)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, values: list[Any]) -> None:
+        from mambac.models.lm import check_token_ids
+        check_token_ids(values[0], self.vocab_size)
+        labels = values[1] if len(values) > 1 else None
+        if labels is not None and labels.shape != values[0].shape:
+            raise MambacInputError(f"labels have shape {tuple(labels.shape)}, input_ids "
+                                   f"{tuple(values[0].shape)}; they must match.")
+
+
 def _input_checks(model: torch.nn.Module):
     """Cheap checks on every call, before any kernel or collective runs."""
-    from mambac.models.lm import MambaLMHeadModel, check_token_ids
+    from mambac.models.lm import MambaLMHeadModel
 
     if isinstance(model, MambaLMHeadModel):
-        def check(values: list[Any]) -> None:
-            check_token_ids(values[0], model.config.padded_vocab_size)
-            labels = values[1] if len(values) > 1 else None
-            if labels is not None and labels.shape != values[0].shape:
-                raise MambacInputError(f"labels have shape {tuple(labels.shape)}, input_ids "
-                                       f"{tuple(values[0].shape)}; they must match.")
-        return check
+        return _LMInputChecks(model.config.padded_vocab_size)
     return None
 
 

@@ -111,6 +111,18 @@ class CompiledModule(torch.nn.Module):
             ddp.register_comm_hook(group, _sum_hook)
             d["_mambac_ddp"] = ddp
 
+    def __reduce__(self):
+        """Pickled (``torch.save``, ``copy.deepcopy``) as the model and the options: the copy shares
+        the copied model's parameters and lowers its programs again on its first call.  A module
+        of several ranks holds process groups and this rank's shards, so it is refused."""
+        if self.options.world_size > 1:
+            raise MambacRuntimeError(
+                f"a module compiled for world_size={self.options.world_size} cannot be pickled or deep-copied: "
+                "it holds this rank's shards and the process groups. Save compiled.state_dict() (unsharded; "
+                "every rank calls it) or a sharded checkpoint (docs/parallel.md), and call mambac.compile "
+                "on the loaded model.")
+        return (_rebuild, (self.original_module, self.options, self.__dict__["_mambac_check_inputs"]))
+
     @property
     def original_module(self) -> torch.nn.Module:
         return self.__dict__["_mambac_model"]
@@ -272,3 +284,9 @@ class CompiledModule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"mambac {self.options}"
+
+
+def _rebuild(model: torch.nn.Module, options: CompileOptions,
+             check_inputs: Callable[[list[Any]], None] | None) -> CompiledModule:
+    """A pickled ``CompiledModule`` (one rank), back from its model and options."""
+    return CompiledModule(model, options, check_inputs)

@@ -158,6 +158,48 @@ def test_reference_lms_match_eager_and_fuse(name):
     assert "backbone.layers.1.mixer" in text  # module paths from dynamo's nn_module_stack
 
 
+@pytest.mark.parametrize("name", sorted(EXPECTED_FUSIONS))
+def test_bf16_reference_lms_fuse_and_match_float64(name):
+    """A reference LM cast to bf16 (fp32 residual stream): the same fusions as in fp32, and
+    logits and gradients as close to a float64 copy as eager bf16 is."""
+    import copy
+
+    m64 = tiny_lm(name, seed=2).double()
+    model = copy.deepcopy(m64).to(torch.bfloat16)
+    backend = MambacBackend()
+    compiled = torch.compile(model, backend=backend)
+    ids = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(3))
+    out_c, out_e, out_64 = compiled(ids), model(ids), m64(ids)
+    assert out_c.dtype == torch.bfloat16
+    assert rel_err(out_c, out_64) <= 2 * rel_err(out_e, out_64) + 1e-3
+    assert _fusions(backend.graphs[0]) == EXPECTED_FUSIONS[name]
+    cot = torch.randn(out_64.shape, dtype=torch.float64)
+    params, p64 = list(model.parameters()), list(m64.parameters())
+    want = torch.autograd.grad((out_64 * cot).sum(), p64)
+    got_c = torch.autograd.grad((out_c.double() * cot).sum(), params)
+    got_e = torch.autograd.grad((out_e.double() * cot).sum(), params)
+    worst_c = max(rel_err(a, b) for a, b in zip(got_c, want))
+    worst_e = max(rel_err(a, b) for a, b in zip(got_e, want))
+    assert worst_c <= 2 * worst_e + 1e-2, (worst_c, worst_e)
+
+
+def test_bf16_transformers_model_matches_float64():
+    """An HF model loaded in bf16 (fp32 residual stream: HF's casts before the norms are real
+    casts here, so the sums are not folded into the norms) gives logits as close to a float64
+    copy as HF's own bf16 forward."""
+    import copy
+    from tests.convert.hf_models import hf_model
+
+    m64 = hf_model("mamba2_lm_groups").double()
+    model = copy.deepcopy(m64).to(torch.bfloat16)
+    backend = MambacBackend()
+    ids = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(4))
+    out_c = _hf_logits(torch.compile(model, backend=backend))(ids)
+    want = _hf_logits(m64)(ids)
+    assert rel_err(out_c, want) <= 2 * rel_err(_hf_logits(model)(ids), want) + 1e-3
+    assert backend.graphs[0].ctx.stats["backend"].counts["mixers.lowered"] == 2
+
+
 def test_string_backend_counts_fusions():
     model = tiny_lm("mamba2_groups_hdimD_nonorm_limit", n_layer=1)
     torch.compile(model, backend="mambac")(torch.randint(0, 37, (1, 6)))

@@ -109,18 +109,19 @@ def _worst_grad_err(out, ref_out, cot, params, ref_params) -> float:
     return max(rel_err(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_bf16_models_match_eager_and_float64(name):
-    """A model cast to bf16 (its residual stream kept in fp32, the default) runs eagerly and
-    compiled, and the compiled one is as close to a float64 copy as eager bf16 is."""
+def test_half_models_match_eager_and_float64(name, dtype):
+    """A model cast to bf16 or fp16 (its residual stream kept in fp32, the default) runs eagerly
+    and compiled, and the compiled one is as close to a float64 copy as eager is in that dtype."""
     import copy
 
     m64 = tiny_lm(name, seed=3).double()
-    model = copy.deepcopy(m64).to(torch.bfloat16)
+    model = copy.deepcopy(m64).to(dtype)
     compiled = mambac.compile(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(5))
     out_e, out_c, out_64 = model(ids), compiled(ids), m64(ids)
-    assert out_c.dtype == out_e.dtype == torch.bfloat16
+    assert out_c.dtype == out_e.dtype == dtype
     err_c, err_e = rel_err(out_c, out_64), rel_err(out_e, out_64)
     assert err_c <= 3e-2 and err_c <= 2 * err_e + 1e-3, (err_c, err_e)
     cot = torch.randn(out_64.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
@@ -128,3 +129,24 @@ def test_bf16_models_match_eager_and_float64(name):
     g_c = _worst_grad_err(out_c, out_64, cot, params, p64)
     g_e = _worst_grad_err(model(ids), m64(ids), cot, params, p64)
     assert g_c <= 0.3 and g_c <= 2 * g_e + 1e-2, (g_c, g_e)   # bf16 eager itself reaches 0.15 on some
+
+
+def test_pickles_and_deep_copies_as_model_and_options(tmp_path):
+    """torch.save / torch.load and copy.deepcopy of a compiled module give a compiled module of the
+    copied model (its parameters shared with that copy, not with the original), with the same
+    options and input checks, that lowers again on its first call and computes the same logits."""
+    import copy
+
+    model = tiny_lm("mamba2")
+    compiled = mambac.compile(model, remat="full")
+    ids = torch.randint(0, 37, (2, 11))
+    ref = compiled(ids)
+    torch.save(compiled, tmp_path / "compiled.pt")
+    for other in (torch.load(tmp_path / "compiled.pt", weights_only=False), copy.deepcopy(compiled)):
+        assert isinstance(other, CompiledModule) and other.options == compiled.options
+        assert other.original_module is not model and not other.programs
+        assert [id(p) for p in other.parameters()] == [id(p) for p in other.original_module.parameters()]
+        assert not {id(p) for p in other.parameters()} & {id(p) for p in model.parameters()}
+        assert rel_err(other(ids), ref) == 0.0
+        with pytest.raises(MambacInputError, match="outside"):
+            other(torch.full((1, 4), 999))

@@ -78,3 +78,8 @@ def test_bf16_models_on_two_ranks(tp2):
             assert res["dtype"] == "torch.bfloat16", key
             assert res["logits"] <= 2 * res["logits_eager"] + 1e-3, (key, res)
             assert res["grad"] <= 2 * res["grad_eager"] + 1e-2, (key, res)
+
+
+def test_a_module_of_several_ranks_is_not_pickled(tp2):
+    for rank_result in tp2:
+        assert "cannot be pickled" in rank_result["pickle"] and "state_dict" in rank_result["pickle"]

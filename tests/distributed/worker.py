@@ -124,6 +124,18 @@ def check_bf16(name: str, world: int, **opts) -> dict:
     return res
 
 
+def pickle_refused(world: int) -> str:
+    """A module of several ranks is not pickled: the error says what to save instead."""
+    import pickle
+
+    compiled = mambac.compile(model_for("mamba1"), world_size=world)
+    try:
+        pickle.dumps(compiled)
+    except mambac.MambacError as exc:
+        return str(exc)
+    return "pickled"
+
+
 def scenario_tp2(world: int) -> dict:
     res = {}
     for name in TP2:
@@ -132,6 +144,7 @@ def scenario_tp2(world: int) -> dict:
         res[name + "+sp"] = check_config(name, world, sequence_parallel=True)
     res["override"] = check_config("mamba2_groups", world, plan={"backbone.layers.0.mixer": "replicate"})
     res["dp_only"] = check_config("mamba1", world, dp=world)
+    res["pickle"] = pickle_refused(world)
     for name, opts in BF16:
         res[f"bf16 {name} {sorted(opts.items())}"] = check_bf16(name, world, **opts)
     res.update(sharded_output(world), wrong_world=wrong_world_size(world), reload=reload_weights(world))
