@@ -11,27 +11,38 @@ from mambac.runtime.compiled_module import CompiledModule
 
 
 class _LMInputChecks:
-    """Token ids inside the vocabulary, labels shaped like the ids (a class, so that a compiled
-    module pickles with its checks)."""
+    """Token ids of shape (batch, seqlen) inside the vocabulary, labels shaped like them (a class,
+    so that a compiled module pickles with its checks).  ``local_pieces``: each rank passes its
+    own piece of the sequence (cp_inputs='local'), which the cp ranks check together."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, local_pieces: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.local_pieces = local_pieces
 
     def __call__(self, values: list[Any]) -> None:
         from mambac.models.lm import check_token_ids
-        check_token_ids(values[0], self.vocab_size)
+        ids = values[0]
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 2:
+                hint = " (one sequence: ids[None])" if ids.dim() == 1 else ""
+                raise MambacInputError(f"input_ids must be (batch, seqlen) token ids, got shape {tuple(ids.shape)}"
+                                       f"{hint}.")
+            if ids.shape[0] == 0 or (ids.shape[1] == 0 and not self.local_pieces):
+                raise MambacInputError(f"input_ids of shape {tuple(ids.shape)} hold no tokens; pass at least one "
+                                       "sequence of at least one token.")
+        check_token_ids(ids, self.vocab_size)
         labels = values[1] if len(values) > 1 else None
-        if labels is not None and labels.shape != values[0].shape:
+        if labels is not None and labels.shape != ids.shape:
             raise MambacInputError(f"labels have shape {tuple(labels.shape)}, input_ids "
-                                   f"{tuple(values[0].shape)}; they must match.")
+                                   f"{tuple(ids.shape)}; they must match.")
 
 
-def _input_checks(model: torch.nn.Module):
+def _input_checks(model: torch.nn.Module, opts: CompileOptions):
     """Cheap checks on every call, before any kernel or collective runs."""
     from mambac.models.lm import MambaLMHeadModel
 
     if isinstance(model, MambaLMHeadModel):
-        return _LMInputChecks(model.config.padded_vocab_size)
+        return _LMInputChecks(model.config.padded_vocab_size, opts.cp > 1 and opts.cp_inputs == "local")
     return None
 
 
@@ -63,7 +74,7 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
                                "(compiled.original_module) instead.")
     if auto:  # the planner's best layout that this version can compile (mambac/plan_auto.py)
         opts = plan_auto.resolve(model, world_size, example_inputs, options)
-    compiled = CompiledModule(model, opts, _input_checks(model))
+    compiled = CompiledModule(model, opts, _input_checks(model, opts))
     if example_inputs is None and hasattr(model, "example_inputs"):
         example_inputs = model.example_inputs()
     if example_inputs is not None:

@@ -75,10 +75,19 @@ def test_fusions_are_applied_and_counted():
 
 def test_bad_token_ids_are_rejected_before_running():
     compiled = mambac.compile(tiny_lm("mamba2"))
+    lowered = dict(compiled.programs)
     with pytest.raises(MambacInputError, match="outside"):
         compiled(torch.tensor([[0, 40]]))
     with pytest.raises(MambacInputError, match="int64"):
         compiled(torch.zeros(1, 4))
+    with pytest.raises(MambacInputError, match=r"\(batch, seqlen\).*shape \(5,\) \(one sequence: ids\[None\]\)"):
+        compiled(torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(MambacInputError, match=r"shape \(2, 3, 5\)"):
+        compiled(torch.zeros(2, 3, 5, dtype=torch.int64))
+    for empty in ((0, 5), (2, 0)):
+        with pytest.raises(MambacInputError, match="hold no tokens"):
+            compiled(torch.zeros(empty, dtype=torch.int64))
+    assert compiled.programs == lowered   # nothing was lowered for the bad calls
 
 
 def test_compile_rejects_non_modules_and_double_compile():
