@@ -43,6 +43,16 @@ def test_prediction_matches_saved_tensor_hooks(name, size):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_prediction_matches_in_bf16(name):
+    """A bf16 model (fp32 residual stream): the dtypes of what is saved are predicted too."""
+    model = tiny_lm(name, d_model=48).to(torch.bfloat16)
+    ids, labels = batch(3, 20)
+    compiled = mambac.compile(model, example_inputs=(ids, labels))
+    predicted = analyse(compiled.program_for(ids, labels).gm).predict()
+    assert close(predicted, measured(compiled, model, ids, labels), tol=0.01)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_formulas_in_B_and_L_predict_other_shapes(name):
     model = tiny_lm(name)
     compiled = mambac.compile(model, example_inputs=batch(2, 12))
