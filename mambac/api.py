@@ -1,6 +1,7 @@
 """``mambac.compile``: the main door."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -46,6 +47,17 @@ def _input_checks(model: torch.nn.Module, opts: CompileOptions):
     return None
 
 
+def _warn_if_triton_cannot_run(model: torch.nn.Module, opts: CompileOptions) -> None:
+    """kernels='triton' asks for the generated kernels wherever they can run; a CPU model runs them
+    only in Triton's interpreter, so without it the reference ops run: say so once, at compile."""
+    from mambac.ops._common import interpreting
+    first = next(iter(model.parameters()), None)
+    if opts.kernels == "triton" and first is not None and first.device.type == "cpu" and not interpreting():
+        warnings.warn("kernels='triton' with the model on the CPU runs the reference ops: the generated kernels "
+                      "run on CPU tensors only in Triton's interpreter (set TRITON_INTERPRET=1 before anything "
+                      "imports Triton), or move the model to CUDA.", stacklevel=3)
+
+
 def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequence[Any] | None = None,
             **options: Any) -> CompiledModule:
     """Compile ``model`` into a fused module (``world_size`` ranks; see ``CompileOptions``).
@@ -74,6 +86,7 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
                                "(compiled.original_module) instead.")
     if auto:  # the planner's best layout that this version can compile (mambac/plan_auto.py)
         opts = plan_auto.resolve(model, world_size, example_inputs, options)
+    _warn_if_triton_cannot_run(model, opts)
     compiled = CompiledModule(model, opts, _input_checks(model, opts))
     if example_inputs is None and hasattr(model, "example_inputs"):
         example_inputs = model.example_inputs()

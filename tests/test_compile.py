@@ -159,3 +159,19 @@ def test_pickles_and_deep_copies_as_model_and_options(tmp_path):
         assert rel_err(other(ids), ref) == 0.0
         with pytest.raises(MambacInputError, match="outside"):
             other(torch.full((1, 4), 999))
+
+
+def test_triton_kernels_on_the_cpu_without_the_interpreter_warn(monkeypatch):
+    """kernels='triton' for a CPU model runs the generated kernels only in Triton's interpreter;
+    without it the compile says that the reference ops run (and they do)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_lm("mamba2")
+    with pytest.warns(UserWarning, match="runs the reference ops.*TRITON_INTERPRET=1"):
+        compiled = mambac.compile(model, kernels="triton")
+    ids = torch.randint(0, 37, (2, 8))
+    assert rel_err(compiled(ids), model(ids)) <= 1e-6
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mambac.compile(model, kernels="triton", example_inputs=(ids,))
