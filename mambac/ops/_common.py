@@ -420,6 +420,11 @@ def check(cond: bool, op: str, message: str) -> None:
 
 def check_float(op: str, **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise MambacInputError(
+                f"mambac.ops.{op}: {name} must be a tensor or None, got {type(t).__name__} {t!r:.40}; "
+                "check the order of the arguments (or pass them by keyword)."
+            )
         if t is not None and not t.is_floating_point():
             raise MambacInputError(
                 f"mambac.ops.{op}: {name} must be a floating-point tensor, got {t.dtype}; "

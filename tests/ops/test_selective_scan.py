@@ -162,3 +162,5 @@ def test_bad_input_is_clear():
         selective_scan(u, delta.long(), A, B, C)
     with pytest.raises(MambacInputError, match=r"u must be \(batch, dim, seqlen\)"):
         selective_scan(u[0], delta, A, B, C)
+    with pytest.raises(MambacInputError, match="initial_state must be a tensor or None, got bool True; check the order"):
+        selective_scan(u, delta, A, B, C, None, None, None, None, True)   # a flag where a tensor goes
