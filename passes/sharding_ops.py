@@ -110,6 +110,71 @@ def embedding(node, ins):
     return (Partial() if isinstance(ins.get(table), Partial) else p), ({ids: R} if isinstance(p, Partial) else {})
 
 
+# ---- modules that act on each position alone --------------------------------------------------
+
+# parameter-free elementwise modules: a split input stays split along any dim
+ELEMENTWISE_MODULES = tuple(getattr(torch.nn, n) for n in (
+    "Identity", "Dropout", "ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "Mish", "Tanh", "Sigmoid", "Softplus",
+    "ELU", "CELU", "SELU", "Hardswish", "Hardsigmoid", "Hardtanh", "Softsign", "Tanhshrink") if hasattr(torch.nn, n))
+# norms over the trailing ``normalized_shape`` dims, with replicated affine parameters
+ROW_NORM_MODULES = tuple(getattr(torch.nn, n) for n in ("LayerNorm", "RMSNorm") if hasattr(torch.nn, n))
+
+
+# modules that compute each sample (dim 0) alone, with replicated parameters: on the data-parallel
+# dim a batch split passes through (their gradients are summed over the replicas like every
+# parameter's)
+PER_SAMPLE_MODULES = tuple(getattr(torch.nn, n) for n in (
+    "Conv1d", "Conv2d", "Conv3d", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d") if hasattr(torch.nn, n))
+SOFTMAX_MODULES = (torch.nn.Softmax, torch.nn.LogSoftmax)
+
+
+def per_sample_module(node, ins, mod, dim: str):
+    x = node.args[0] if node.args else None
+    p = ins.get(x)
+    if dim == "dp" and len(ins) == 1 and isinstance(p, Shard) and p.dim == 0:
+        return p, {}
+    return replicated_only(node, ins, f"module {type(mod).__name__}")
+
+
+def softmax_module(node, ins, mod):
+    """Softmax over one dim: a split along any other dim passes through."""
+    x = node.args[0] if node.args else None
+    if len(ins) != 1 or x not in ins or mod.dim is None:
+        return replicated_only(node, ins, f"module {type(mod).__name__}")
+    p, nd = ins[x], _val(x).dim()
+    if isinstance(p, Shard) and p.dim != mod.dim % nd:
+        return p, {}
+    return R, ({x: R} if not isinstance(p, Replicate) else {})
+
+
+def elementwise_module(node, ins, mod):
+    """An elementwise module: its output is laid out like its input (a partial sum passes through
+    ``Identity`` only; the others take it reduced)."""
+    x = node.args[0] if node.args else None
+    if len(ins) != 1 or x not in ins:
+        return replicated_only(node, ins, f"module {type(mod).__name__}")
+    p = ins[x]
+    if isinstance(p, Partial):
+        return (Partial(), {}) if isinstance(mod, torch.nn.Identity) else (R, {x: R})
+    return p, {}
+
+
+def row_norm_module(node, ins, mod, dim: str):
+    """A LayerNorm / RMSNorm module over the batch split on the data-parallel dim: each sample is
+    normalised alone, so the output keeps the split (its parameters' gradients are summed over the
+    replicas like every parameter's).  On the tensor-parallel dim a split input would leave the
+    parameters with partial gradients, so there the module takes its input whole."""
+    x = node.args[0] if node.args else None
+    if dim != "dp" or len(ins) != 1 or x not in ins:
+        return replicated_only(node, ins, f"module {type(mod).__name__}")
+    p, nd = ins[x], _val(x).dim()
+    if isinstance(p, Shard):
+        if p.dim >= nd - len(mod.normalized_shape):
+            _fail(node, f"module {type(mod).__name__} normalises over dim {p.dim}, which is split across ranks.")
+        return p, {}
+    return R, ({x: R} if isinstance(p, Partial) else {})
+
+
 # ---- linear ------------------------------------------------------------------------------------
 
 def linear(node, ins, x, wpl, bpl):

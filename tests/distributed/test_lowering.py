@@ -97,3 +97,43 @@ def test_options_for_several_ranks():
         mambac.CompileOptions.create(world_size=4, tp=4, cp=2)
     with pytest.raises(MambacOptionsError, match="comm_timeout"):
         mambac.CompileOptions.create(world_size=2, comm_timeout=-1)
+
+
+def _placement(lowered, target: str, mesh_dim: str):
+    node = next(n for n in lowered.gm.graph.nodes if n.op == "call_module" and n.target == target)
+    return node.meta["mambac_placement"].on(mesh_dim)
+
+
+def test_per_sample_torch_modules_keep_the_batch_split_under_dp():
+    from tests.distributed.worker import TorchLayersNet
+    x = torch.randn(4, 12, 5)
+    prog = lower_all_ranks(TorchLayersNet(), (x,), 2, dp=2)[1]
+    for target in ("conv", "norm", "act", "drop", "gn", "sm"):
+        assert _placement(prog, target, "dp") == Shard(0), target
+    tp = lower_all_ranks(TorchLayersNet(), (x,), 2, tp=2)[1]
+    for target in ("norm", "gn"):   # whole on the tp dim: their parameters' gradients stay whole
+        assert not isinstance(_placement(tp, target, "tp"), Shard), target
+
+
+def test_modules_that_mix_what_is_split_are_refused():
+    class BatchMixing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.out = torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.out(self.bn(x.transpose(1, 2)).transpose(1, 2))
+
+    class NormOverBatch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm((4, 6, 5))
+
+        def forward(self, x):
+            return self.norm(x)
+
+    x = torch.randn(4, 6, 5)
+    with pytest.raises(mambac.MambacError, match="module BatchNorm1d has no sharding rule"):
+        lower_all_ranks(BatchMixing(), (x,), 2, dp=2)
+    with pytest.raises(mambac.MambacError, match="LayerNorm normalises over dim 0, which is split"):
+        lower_all_ranks(NormOverBatch(), (x,), 2, dp=2)

@@ -83,3 +83,13 @@ def test_bf16_models_on_two_ranks(tp2):
 def test_a_module_of_several_ranks_is_not_pickled(tp2):
     for rank_result in tp2:
         assert "cannot be pickled" in rank_result["pickle"] and "state_dict" in rank_result["pickle"]
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp+sp"])
+def test_plain_torch_layers_around_the_mixers(tp2, layout):
+    """LayerNorm, GELU, Dropout, Conv1d, GroupNorm and LogSoftmax modules keep the batch split
+    under dp (each sample is computed alone) and run whole under tp: output and every gradient
+    equal eager."""
+    for rank_result in tp2:
+        res = rank_result["torch_layers " + layout]
+        assert res["logits"] <= TOL and res["grad"] <= TOL, res

@@ -124,6 +124,43 @@ def check_bf16(name: str, world: int, **opts) -> dict:
     return res
 
 
+class TorchLayersNet(torch.nn.Module):
+    """A user's model: reference mixers among plain torch.nn layers (convolution over the
+    sequence, LayerNorm, GELU, Dropout, GroupNorm, LogSoftmax)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from mambac.models import Mamba, Mamba2
+        nn = torch.nn
+        self.inp, self.conv = nn.Linear(5, 32), nn.Conv1d(32, 32, 3, padding=1)
+        self.m1, self.m2 = Mamba2(32, d_state=8, headdim=8, chunk_size=4), Mamba(32, d_state=4)
+        self.norm, self.act, self.drop, self.gn = nn.LayerNorm(32), nn.GELU(), nn.Dropout(0.0), nn.GroupNorm(4, 32)
+        self.out, self.sm = nn.Linear(32, 6), nn.LogSoftmax(-1)
+
+    def forward(self, x):
+        h = self.conv(self.inp(x).transpose(1, 2)).transpose(1, 2)
+        h = h + self.m1(h)
+        h = h + self.drop(self.act(self.m2(self.norm(h))))
+        return self.sm(self.out(self.gn(h.transpose(1, 2)).transpose(1, 2)))
+
+
+def check_torch_layers(world: int, **opts) -> dict:
+    """``TorchLayersNet`` compiled with ``opts``: output and gathered gradients against eager."""
+    torch.manual_seed(0)
+    model = TorchLayersNet()
+    x = torch.randn(4, 12, 5, generator=torch.Generator().manual_seed(1))
+    compiled = mambac.compile(model, world_size=world, example_inputs=(x,), **opts)
+    ref = model(x)
+    cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    (ref * cot).sum().backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    out = compiled(x)
+    (out * cot).sum().backward()
+    got = gathered_grads(compiled)
+    return {"logits": rel_err(out, ref), "grad": max(rel_err(got[k], want[k]) for k in want)}
+
+
 def pickle_refused(world: int) -> str:
     """A module of several ranks is not pickled: the error says what to save instead."""
     import pickle
@@ -145,6 +182,8 @@ def scenario_tp2(world: int) -> dict:
     res["override"] = check_config("mamba2_groups", world, plan={"backbone.layers.0.mixer": "replicate"})
     res["dp_only"] = check_config("mamba1", world, dp=world)
     res["pickle"] = pickle_refused(world)
+    res["torch_layers dp"] = check_torch_layers(world, dp=world)
+    res["torch_layers tp+sp"] = check_torch_layers(world, tp=world, sequence_parallel=True)
     for name, opts in BF16:
         res[f"bf16 {name} {sorted(opts.items())}"] = check_bf16(name, world, **opts)
     res.update(sharded_output(world), wrong_world=wrong_world_size(world), reload=reload_weights(world))
