@@ -110,30 +110,36 @@ def embedding(node, ins):
     return (Partial() if isinstance(ins.get(table), Partial) else p), ({ids: R} if isinstance(p, Partial) else {})
 
 
-# ---- modules that act on each position alone --------------------------------------------------
+# ---- torch.nn modules of a user's model (Linear and Embedding have their own rules) --------------
 
 # parameter-free elementwise modules: a split input stays split along any dim
 ELEMENTWISE_MODULES = tuple(getattr(torch.nn, n) for n in (
     "Identity", "Dropout", "ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "Mish", "Tanh", "Sigmoid", "Softplus",
     "ELU", "CELU", "SELU", "Hardswish", "Hardsigmoid", "Hardtanh", "Softsign", "Tanhshrink") if hasattr(torch.nn, n))
+SOFTMAX_MODULES = (torch.nn.Softmax, torch.nn.LogSoftmax)
 # norms over the trailing ``normalized_shape`` dims, with replicated affine parameters
 ROW_NORM_MODULES = tuple(getattr(torch.nn, n) for n in ("LayerNorm", "RMSNorm") if hasattr(torch.nn, n))
-
-
-# modules that compute each sample (dim 0) alone, with replicated parameters: on the data-parallel
-# dim a batch split passes through (their gradients are summed over the replicas like every
-# parameter's)
+# modules that compute each sample (dim 0) alone, with replicated parameters
 PER_SAMPLE_MODULES = tuple(getattr(torch.nn, n) for n in (
     "Conv1d", "Conv2d", "Conv3d", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d") if hasattr(torch.nn, n))
-SOFTMAX_MODULES = (torch.nn.Softmax, torch.nn.LogSoftmax)
+
+
+def _whole(x, p):
+    """Run on the whole input: gathered if split, reduced if partial (output replicated)."""
+    return R, ({x: R} if not isinstance(p, Replicate) else {})
 
 
 def per_sample_module(node, ins, mod, dim: str):
+    """A module that computes each sample alone: on the data-parallel dim the batch split passes
+    through (its parameters' gradients are summed over the replicas like every parameter's);
+    otherwise it runs on its whole input."""
     x = node.args[0] if node.args else None
-    p = ins.get(x)
-    if dim == "dp" and len(ins) == 1 and isinstance(p, Shard) and p.dim == 0:
+    if len(ins) != 1 or x not in ins:
+        return replicated_only(node, ins, f"module {type(mod).__name__}")
+    p = ins[x]
+    if dim == "dp" and isinstance(p, Shard) and p.dim == 0:
         return p, {}
-    return replicated_only(node, ins, f"module {type(mod).__name__}")
+    return _whole(x, p)
 
 
 def softmax_module(node, ins, mod):
@@ -144,7 +150,7 @@ def softmax_module(node, ins, mod):
     p, nd = ins[x], _val(x).dim()
     if isinstance(p, Shard) and p.dim != mod.dim % nd:
         return p, {}
-    return R, ({x: R} if not isinstance(p, Replicate) else {})
+    return _whole(x, p)
 
 
 def elementwise_module(node, ins, mod):
@@ -160,19 +166,17 @@ def elementwise_module(node, ins, mod):
 
 
 def row_norm_module(node, ins, mod, dim: str):
-    """A LayerNorm / RMSNorm module over the batch split on the data-parallel dim: each sample is
-    normalised alone, so the output keeps the split (its parameters' gradients are summed over the
-    replicas like every parameter's).  On the tensor-parallel dim a split input would leave the
-    parameters with partial gradients, so there the module takes its input whole."""
+    """A LayerNorm / RMSNorm module: on the data-parallel dim a split outside the normalised dims
+    passes through (each sample is normalised alone; the parameters' gradients are summed over the
+    replicas like every parameter's).  Otherwise it runs on its whole input: on the tensor-parallel
+    dim a split input would leave its parameters with partial gradients."""
     x = node.args[0] if node.args else None
-    if dim != "dp" or len(ins) != 1 or x not in ins:
+    if len(ins) != 1 or x not in ins:
         return replicated_only(node, ins, f"module {type(mod).__name__}")
     p, nd = ins[x], _val(x).dim()
-    if isinstance(p, Shard):
-        if p.dim >= nd - len(mod.normalized_shape):
-            _fail(node, f"module {type(mod).__name__} normalises over dim {p.dim}, which is split across ranks.")
+    if dim == "dp" and isinstance(p, Shard) and p.dim < nd - len(mod.normalized_shape):
         return p, {}
-    return R, ({x: R} if isinstance(p, Partial) else {})
+    return _whole(x, p)
 
 
 # ---- linear ------------------------------------------------------------------------------------

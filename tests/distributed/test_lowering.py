@@ -5,7 +5,7 @@ import torch
 
 import mambac
 from mambac.errors import MambacConfigError, MambacOptionsError, MambacRuntimeError
-from mambac.ir import Shard
+from mambac.ir import Replicate, Shard
 from mambac.lowering import lower_all_ranks
 from mambac.sharding_plan import local_model, make_plan
 from mambac.runtime.collectives import collective_name, split_sizes
@@ -115,7 +115,7 @@ def test_per_sample_torch_modules_keep_the_batch_split_under_dp():
         assert not isinstance(_placement(tp, target, "tp"), Shard), target
 
 
-def test_modules_that_mix_what_is_split_are_refused():
+def test_unknown_modules_refuse_a_split_and_known_ones_gather_what_they_need():
     class BatchMixing(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -127,13 +127,15 @@ def test_modules_that_mix_what_is_split_are_refused():
     class NormOverBatch(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm = torch.nn.LayerNorm((4, 6, 5))
+            self.norm, self.sm = torch.nn.LayerNorm((4, 6, 5)), torch.nn.Softmax(0)
 
         def forward(self, x):
-            return self.norm(x)
+            return self.sm(self.norm(x))
 
     x = torch.randn(4, 6, 5)
     with pytest.raises(mambac.MambacError, match="module BatchNorm1d has no sharding rule"):
         lower_all_ranks(BatchMixing(), (x,), 2, dp=2)
-    with pytest.raises(mambac.MambacError, match="LayerNorm normalises over dim 0, which is split"):
-        lower_all_ranks(NormOverBatch(), (x,), 2, dp=2)
+    # normalises (and the softmax runs) over the batch: both take the whole batch, which every rank has
+    prog = lower_all_ranks(NormOverBatch(), (x,), 2, dp=2)[0]
+    assert _placement(prog, "norm", "dp") == Replicate() and _placement(prog, "sm", "dp") == Replicate()
+    assert not [n for n in prog.gm.graph.nodes if collective_name(n)]
