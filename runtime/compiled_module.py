@@ -21,6 +21,7 @@ program is captured as CUDA graphs once per static input signature and replayed 
 from __future__ import annotations
 
 import logging
+import operator
 import warnings
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from mambac.lowering import Lowered, bind_inputs, lower, rank_setup, signature_o
 from mambac.options import CompileOptions
 
 log = logging.getLogger("mambac.runtime")
+_TRAINING = operator.attrgetter("training")
 
 
 class _Runner(torch.nn.Module):
@@ -83,7 +85,7 @@ class CompiledModule(torch.nn.Module):
         from mambac.runtime.cuda_graphs import CudaGraphs, check_supported
         check_supported(model, options)  # before any process group or local copy is made
         d = self.__dict__
-        d.update(_mambac_model=model, _mambac_options=options, _mambac_programs={},
+        d.update(_mambac_model=model, _mambac_options=options, _mambac_programs_by_mode={},
                  _mambac_check_inputs=check_inputs, _mambac_mesh=None, _mambac_setup=None, _mambac_ddp=None,
                  _mambac_current=None, _mambac_graphs=CudaGraphs() if options.cuda_graphs else None)
         target = model
@@ -94,6 +96,9 @@ class CompiledModule(torch.nn.Module):
             d["_mambac_mesh"] = mesh
             d["_mambac_setup"] = rank_setup(model, options, mesh.spec if mesh else offline_spec(options, 0))
             target = d["_mambac_setup"].model
+        # the modules whose training flags a captured graph may have read (``if self.training:``
+        # is decided at capture): programs are kept per combination of those flags
+        d["_mambac_mode_modules"] = tuple(target.modules())
         # Share the module tree instead of wrapping it: same keys, same Parameter objects.
         self._modules = target._modules
         self._parameters = target._parameters
@@ -133,8 +138,17 @@ class CompiledModule(torch.nn.Module):
 
     @property
     def programs(self) -> dict[tuple[bool, ...], Lowered]:
-        """The lowered programs, one per forward signature seen so far."""
-        return self.__dict__["_mambac_programs"]
+        """The lowered programs of the current training / eval flags, one per forward signature
+        seen so far in that mode."""
+        modes = tuple(map(_TRAINING, self.__dict__["_mambac_mode_modules"]))
+        return self.__dict__["_mambac_programs_by_mode"].setdefault(modes, {})
+
+    def train(self, mode: bool = True) -> "CompiledModule":
+        """Set training (or eval) mode on the shared modules and on the model itself (its own flag
+        is not one of the shared children); the next call runs the program of that mode."""
+        super().train(mode)
+        self.__dict__["_mambac_mode_modules"][0].training = mode
+        return self
 
     @property
     def rank_setup(self):
@@ -165,11 +179,12 @@ class CompiledModule(torch.nn.Module):
     def _program(self, values: list[Any], length: int | None) -> Lowered:
         """The program for these bound inputs (this rank's pieces and the whole length under cp)."""
         key = signature_of(values) + ((length,) if length is not None else ())
-        if key not in self.programs:
+        programs = self.programs
+        if key not in programs:
             log.info("lowering %s for signature %s", type(self.original_module).__name__, key)
             rank = self.mesh.rank if self.mesh is not None else 0
-            self.programs[key] = lower(self.original_module, values, self.options, rank, self.rank_setup, length)
-        return self.programs[key]
+            programs[key] = lower(self.original_module, values, self.options, rank, self.rank_setup, length)
+        return programs[key]
 
     def program_for_rank(self, rank: int, *args: Any, **kwargs: Any) -> Lowered:
         """Rank ``rank``'s program for these example inputs, lowered without running anything (any

@@ -175,3 +175,41 @@ def test_triton_kernels_on_the_cpu_without_the_interpreter_warn(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mambac.compile(model, kernels="triton", example_inputs=(ids,))
+
+
+class _ModeDependent(torch.nn.Module):
+    """Branches on training flags (read at capture) at its root and in a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from mambac.models import Mamba2
+        self.mixer = Mamba2(16, d_state=8, headdim=8, chunk_size=4)
+        self.scale = _TrainScale()
+
+    def forward(self, x):
+        y = self.scale(self.mixer(x))
+        return y * 2 if self.training else y
+
+
+class _TrainScale(torch.nn.Module):
+    def forward(self, x):
+        return x - 1 if self.training else x
+
+
+def test_training_and_eval_modes_get_their_own_programs():
+    """``if self.training:`` is decided when a graph is captured: each combination of the modules'
+    flags has its own programs, whichever module (compiled or original, root or child) is switched,
+    and switching back reuses the program lowered before."""
+    model = _ModeDependent()
+    compiled = mambac.compile(model)
+    x = torch.randn(2, 8, 16)
+    assert rel_err(compiled(x), model(x)) <= 1e-6
+    first = compiled.program_for(x)
+    compiled.eval()
+    assert not model.training and not model.scale.training
+    assert rel_err(compiled(x), model(x)) <= 1e-6 and compiled.program_for(x) is not first
+    model.train()
+    model.scale.eval()   # mixed flags: a third program
+    assert rel_err(compiled(x), model(x)) <= 1e-6
+    compiled.train()
+    assert compiled.program_for(x) is first and rel_err(compiled(x), model(x)) <= 1e-6
