@@ -40,10 +40,13 @@ class _LMInputChecks:
 
 def _input_checks(model: torch.nn.Module, opts: CompileOptions):
     """Cheap checks on every call, before any kernel or collective runs."""
-    from mambac.models.lm import MambaLMHeadModel
+    from mambac.models.lm import MambaLMHeadModel, MixerModel
 
+    local = opts.cp > 1 and opts.cp_inputs == "local"
     if isinstance(model, MambaLMHeadModel):
-        return _LMInputChecks(model.config.padded_vocab_size, opts.cp > 1 and opts.cp_inputs == "local")
+        return _LMInputChecks(model.config.padded_vocab_size, local)
+    if isinstance(model, MixerModel):   # a backbone without head (an HF MambaModel / Mamba2Model)
+        return _LMInputChecks(model.embedding.num_embeddings, local)
     return None
 
 

@@ -119,3 +119,14 @@ def test_bf16_hf_models_compile(name):
     err, err_hf = rel_err(out, out_64), rel_err(ref, out_64)
     assert err <= 3e-2 and err <= 2 * err_hf + 1e-3, (err, err_hf)
     assert rel_err(convert(model)(ids), out_64) <= 2 * err_hf + 1e-3
+
+
+def test_compiled_backbone_checks_its_token_ids():
+    """A converted HF backbone (no head) gets the LM's input checks: shape and vocabulary."""
+    from mambac.errors import MambacInputError
+
+    compiled = mambac.compile(hf_model("mamba2_backbone_oddheads"))
+    with pytest.raises(MambacInputError, match=r"\(batch, seqlen\)"):
+        compiled(torch.zeros(9, dtype=torch.int64))
+    with pytest.raises(MambacInputError, match=r"outside \[0, 37\)"):
+        compiled(torch.full((1, 3), 99))
