@@ -12,30 +12,17 @@ from mambac.runtime.compiled_module import CompiledModule
 
 
 class _LMInputChecks:
-    """Token ids of shape (batch, seqlen) inside the vocabulary, labels shaped like them (a class,
-    so that a compiled module pickles with its checks).  ``local_pieces``: each rank passes its
-    own piece of the sequence (cp_inputs='local'), which the cp ranks check together."""
+    """``check_token_batch`` on every call (a class, so that a compiled module pickles with its
+    checks).  ``local_pieces``: each rank passes its own piece of the sequence
+    (cp_inputs='local'), which may be empty; the cp ranks check the lengths together."""
 
     def __init__(self, vocab_size: int, local_pieces: bool = False) -> None:
         self.vocab_size = vocab_size
         self.local_pieces = local_pieces
 
     def __call__(self, values: list[Any]) -> None:
-        from mambac.models.lm import check_token_ids
-        ids = values[0]
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 2:
-                hint = " (one sequence: ids[None])" if ids.dim() == 1 else ""
-                raise MambacInputError(f"input_ids must be (batch, seqlen) token ids, got shape {tuple(ids.shape)}"
-                                       f"{hint}.")
-            if ids.shape[0] == 0 or (ids.shape[1] == 0 and not self.local_pieces):
-                raise MambacInputError(f"input_ids of shape {tuple(ids.shape)} hold no tokens; pass at least one "
-                                       "sequence of at least one token.")
-        check_token_ids(ids, self.vocab_size)
-        labels = values[1] if len(values) > 1 else None
-        if labels is not None and labels.shape != ids.shape:
-            raise MambacInputError(f"labels have shape {tuple(labels.shape)}, input_ids "
-                                   f"{tuple(ids.shape)}; they must match.")
+        from mambac.models.lm import check_token_batch
+        check_token_batch(values[0], values[1] if len(values) > 1 else None, self.vocab_size, self.local_pieces)
 
 
 def _input_checks(model: torch.nn.Module, opts: CompileOptions):

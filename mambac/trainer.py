@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from mambac.errors import MambacInputError, MambacRuntimeError
+from mambac.models.lm import check_token_batch
 from mambac.trainer_checkpoint import latest_checkpoint  # noqa: F401  (part of this module's interface)
 from mambac.training import clip_grad_norm_
 
-IGNORE_INDEX = -100  # labels equal to this add nothing to the loss (as in the models' cross-entropy)
 
 
 class SyntheticTokens:
@@ -83,25 +83,7 @@ class Trainer:
 
     def check_batch(self, ids: Any, labels: Any) -> None:
         """Raise ``MambacInputError`` for a batch this trainer/layout cannot take (no collective)."""
-        for what, t in (("ids", ids), ("labels", labels)):
-            if not isinstance(t, torch.Tensor):
-                raise MambacInputError(f"{what} must be a tensor, got {type(t).__name__}.")
-            if t.dtype not in (torch.int64, torch.int32):
-                raise MambacInputError(f"{what} must hold integer token ids (int64), got {t.dtype}.")
-            if t.dim() != 2:
-                raise MambacInputError(f"{what} must be (batch, seqlen), got shape {tuple(t.shape)}.")
-        if ids.shape != labels.shape:
-            raise MambacInputError(f"ids {tuple(ids.shape)} and labels {tuple(labels.shape)} differ in shape.")
-        if ids.shape[1] == 0:
-            raise MambacInputError("the batch has no tokens (seqlen 0).")
-        if self.vocab is not None and ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.vocab:
-                raise MambacInputError(f"token ids must lie in [0, {self.vocab}); this batch has {lo}..{hi}.")
-            bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab))]
-            if bad.numel():
-                raise MambacInputError(f"labels must lie in [0, {self.vocab}) or be {IGNORE_INDEX} (ignored); this "
-                                       f"batch has {int(bad[0])}.")
+        check_token_batch(ids, labels, self.vocab)
         opts = getattr(self.compiled, "options", None)
         if opts is not None and opts.cp > 1 and opts.cp_inputs == "full" and ids.shape[1] < opts.cp:
             raise MambacInputError(f"a sequence of {ids.shape[1]} tokens cannot be split over cp={opts.cp} "

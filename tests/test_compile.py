@@ -87,6 +87,8 @@ def test_bad_token_ids_are_rejected_before_running():
     for empty in ((0, 5), (2, 0)):
         with pytest.raises(MambacInputError, match="hold no tokens"):
             compiled(torch.zeros(empty, dtype=torch.int64))
+    with pytest.raises(MambacInputError, match=r"labels must lie in \[0, 40\) or be -100"):
+        compiled(torch.zeros(1, 4, dtype=torch.int64), torch.tensor([[1, -100, 40, 2]]))
     assert compiled.programs == lowered   # nothing was lowered for the bad calls
 
 

@@ -115,15 +115,41 @@ class MambaLMHeadModel(nn.Module):
         return (torch.randint(0, self.config.vocab_size, (batch, seqlen), device=device),)
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Clear error for token ids outside the vocabulary (before any kernel or collective runs).
+IGNORE_INDEX = -100  # labels equal to this add nothing to the loss (the models' cross-entropy)
 
-    One host read of (min, max) per call: on CUDA that is the call's only synchronisation."""
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise MambacInputError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}.")
-    if not input_ids.numel():
+
+def check_token_batch(input_ids, labels=None, vocab_size: int | None = None, empty_length_ok: bool = False) -> None:
+    """Clear ``MambacInputError`` for token ids (and labels) a causal LM cannot take, before any
+    kernel or collective runs: tensors of integer ids shaped (batch, seqlen), labels of the same
+    shape, at least one token (``empty_length_ok``: a rank's piece of the sequence may be empty),
+    ids inside ``[0, vocab_size)`` and labels there too or ``IGNORE_INDEX``.
+
+    The ranges cost one host read per call: on CUDA that is the call's only synchronisation."""
+    for what, t in (("input_ids", input_ids), ("labels", labels)):
+        if t is None and what == "labels":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise MambacInputError(f"{what} must be a tensor, got {type(t).__name__}.")
+        if t.dtype not in (torch.int64, torch.int32):
+            raise MambacInputError(f"{what} must hold integer token ids (int64 or int32), got {t.dtype}.")
+        if t.dim() != 2:
+            hint = " (one sequence: ids[None])" if t.dim() == 1 else ""
+            raise MambacInputError(f"{what} must be (batch, seqlen) token ids, got shape {tuple(t.shape)}{hint}.")
+    shape = tuple(input_ids.shape)
+    if labels is not None and tuple(labels.shape) != shape:
+        raise MambacInputError(f"input_ids {shape} and labels {tuple(labels.shape)} differ in shape; they must match.")
+    if shape[0] == 0 or (shape[1] == 0 and not empty_length_ok):
+        raise MambacInputError(f"input_ids of shape {shape} hold no tokens; pass at least one sequence of at least "
+                               "one token.")
+    if vocab_size is None or not input_ids.numel():
         return
-    lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
+    ranges = [*torch.aminmax(input_ids)]
+    if labels is not None:
+        ranges += [*torch.aminmax(torch.where(labels != IGNORE_INDEX, labels, 0))]
+    lo, hi, *lab = torch.stack([r.to(torch.int64) for r in ranges]).tolist()
     if lo < 0 or hi >= vocab_size:
-        raise MambacInputError(f"input_ids hold ids outside [0, {vocab_size}): min {lo}, max {hi}. "
-                               "Check the tokenizer matches the model's vocabulary.")
+        raise MambacInputError(f"token ids must lie in [0, {vocab_size}); this batch has {lo}..{hi}, outside "
+                               f"[0, {vocab_size}): check that the tokenizer matches the model's vocabulary.")
+    if lab and (lab[0] < 0 or lab[1] >= vocab_size):
+        raise MambacInputError(f"labels must lie in [0, {vocab_size}) or be {IGNORE_INDEX} (ignored); this batch has "
+                               f"{lab[0]}..{lab[1]}.")
