@@ -129,14 +129,20 @@ def _whole(x, p):
     return R, ({x: R} if not isinstance(p, Replicate) else {})
 
 
+def _sole_input(node, ins):
+    """The module's one tensor input (its first argument) and its placement, or None."""
+    x = node.args[0] if node.args else None
+    return (x, ins[x]) if len(ins) == 1 and x in ins else None
+
+
 def per_sample_module(node, ins, mod, dim: str):
     """A module that computes each sample alone: on the data-parallel dim the batch split passes
     through (its parameters' gradients are summed over the replicas like every parameter's);
     otherwise it runs on its whole input."""
-    x = node.args[0] if node.args else None
-    if len(ins) != 1 or x not in ins:
+    sole = _sole_input(node, ins)
+    if sole is None:
         return replicated_only(node, ins, f"module {type(mod).__name__}")
-    p = ins[x]
+    x, p = sole
     if dim == "dp" and isinstance(p, Shard) and p.dim == 0:
         return p, {}
     return _whole(x, p)
@@ -144,11 +150,11 @@ def per_sample_module(node, ins, mod, dim: str):
 
 def softmax_module(node, ins, mod):
     """Softmax over one dim: a split along any other dim passes through."""
-    x = node.args[0] if node.args else None
-    if len(ins) != 1 or x not in ins or mod.dim is None:
+    sole = _sole_input(node, ins)
+    if sole is None or mod.dim is None:
         return replicated_only(node, ins, f"module {type(mod).__name__}")
-    p, nd = ins[x], _val(x).dim()
-    if isinstance(p, Shard) and p.dim != mod.dim % nd:
+    x, p = sole
+    if isinstance(p, Shard) and p.dim != mod.dim % _val(x).dim():
         return p, {}
     return _whole(x, p)
 
@@ -156,10 +162,10 @@ def softmax_module(node, ins, mod):
 def elementwise_module(node, ins, mod):
     """An elementwise module: its output is laid out like its input (a partial sum passes through
     ``Identity`` only; the others take it reduced)."""
-    x = node.args[0] if node.args else None
-    if len(ins) != 1 or x not in ins:
+    sole = _sole_input(node, ins)
+    if sole is None:
         return replicated_only(node, ins, f"module {type(mod).__name__}")
-    p = ins[x]
+    x, p = sole
     if isinstance(p, Partial):
         return (Partial(), {}) if isinstance(mod, torch.nn.Identity) else (R, {x: R})
     return p, {}
@@ -170,11 +176,11 @@ def row_norm_module(node, ins, mod, dim: str):
     passes through (each sample is normalised alone; the parameters' gradients are summed over the
     replicas like every parameter's).  Otherwise it runs on its whole input: on the tensor-parallel
     dim a split input would leave its parameters with partial gradients."""
-    x = node.args[0] if node.args else None
-    if len(ins) != 1 or x not in ins:
+    sole = _sole_input(node, ins)
+    if sole is None:
         return replicated_only(node, ins, f"module {type(mod).__name__}")
-    p, nd = ins[x], _val(x).dim()
-    if dim == "dp" and isinstance(p, Shard) and p.dim < nd - len(mod.normalized_shape):
+    x, p = sole
+    if dim == "dp" and isinstance(p, Shard) and p.dim < _val(x).dim() - len(mod.normalized_shape):
         return p, {}
     return _whole(x, p)
 
