@@ -16,6 +16,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return num if den == 0 else num / den
 
 
+def worst_grad_err(out: torch.Tensor, ref_out: torch.Tensor, cot: torch.Tensor, params, ref_params) -> float:
+    """The largest relative error over parameters between the gradients of ``(out * cot).sum()``
+    and of ``(ref_out * cot).sum()`` (``cot`` float64; both outputs compared in float64)."""
+    got = torch.autograd.grad((out.double() * cot).sum(), list(params))
+    want = torch.autograd.grad((ref_out.double() * cot).sum(), list(ref_params))
+    return max(rel_err(a, b) for a, b in zip(got, want))
+
+
 def assert_in_order(src: str, *parts: str) -> None:
     """Each part occurs in ``src``, after the previous one (ordered checks of generated source)."""
     at = 0
