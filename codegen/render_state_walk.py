@@ -17,7 +17,9 @@ prefetches, so it pipelines like a matmul's K loop.  On an H200 at S1 it took 73
 Outputs and conventions are the two kernels' (``render_fwd``): the cumsum restarts at every
 chunk, states entering each chunk (batch, nchunks, heads, headdim, dstate) in the io dtype, the
 final state (batch, heads, headdim, dstate) fp32.  x and B come through tensor descriptors
-(``codegen/tma.py``): x as (batch*seqlen, heads*headdim), B as (batch*seqlen, groups*dstate), so
+(``codegen/tma.py``): x as (batch*seqlen, heads*headdim), B as (batch*seqlen, groups*dstate); where a
+block is a whole chunk the states leave through one too (``sind``, (batch*chunks*heads*headdim,
+dstate)), a TMA store that does not hold up the next block, and elsewhere by masked stores.  So
 the walk exists only for EVEN launches (the length a multiple of the chunk, BT dividing it,
 power-of-two headdim and dstate).  dt is read by pointer one block ahead of its use (Triton does
 not pipeline a pointer load that feeds no dot).
@@ -73,7 +75,7 @@ def render_state_walk(r: SSDRegion) -> str:
     args = ["dt_ptr", "a_ptr"] + dt_args(r) + (["init_ptr"] if r.has_initial_state else [])
     args += ["sin_ptr", "final_ptr", "SFB", "dtp_ptr", "cs_ptr", "L", "H", "HPG", "NC", "C_LO", "C_HI",
              "sdb", "sdl", "sdh",
-             "xd", "bd", "BT: tl.constexpr", "BP: tl.constexpr", "BN: tl.constexpr",
+             "xd", "bd", "sind", "BT: tl.constexpr", "BP: tl.constexpr", "BN: tl.constexpr",
              "P: tl.constexpr", "N: tl.constexpr"]
     w.comment("the chunk range is not specialised on: the segments of one walk share a binary")
     w.line('@triton.jit(do_not_specialize=["C_LO", "C_HI"])')
@@ -106,9 +108,14 @@ def render_state_walk(r: SSDRegion) -> str:
             w.line(f"ahead = tl.minimum(k + BT, C_HI * {q} - BT)")
             w.line("d_next = tl.load(dt_ptr + bi64 * sdb + (ahead + k_in) * sdl + h * sdh).to(tl.float32)")
             w.comment("a chunk's first block: store the state entering the chunk, restart the cumsum")
-            w.line("first = (offs_n * 0 + k0) == 0")
-            w.line(f"tl.store(sin_ptr + sin_at + (k // {q}) * H * P * N, {to_io(r, 'acc')}, "
-                   "mask=(offs_p >= 0)[:, None] & first[None, :])")
+            with w.block(f"if BT == {q}:"):
+                w.comment("one block per chunk (constexpr): every block stores, through the descriptor")
+                w.comment("``sind`` (the states as (batch*chunks*heads*headdim, dstate)), off the walk's path")
+                w.line(f"sind.store([((bi * NC + k // {q}) * H + h) * P + p0, n0], {to_io(r, 'acc')})")
+            with w.block("else:"):
+                w.line("first = (offs_n * 0 + k0) == 0")
+                w.line(f"tl.store(sin_ptr + sin_at + (k // {q}) * H * P * N, {to_io(r, 'acc')}, "
+                       "mask=(offs_p >= 0)[:, None] & first[None, :])")
             w.line("run = tl.where(k0 == 0, 0.0, run)")
             w.line(f"d = {dt_call(r, 'd')}")
             w.lines("da = d * a", "cs = run + tl.cumsum(da, 0)", "end = run + tl.sum(da, 0)",

@@ -257,7 +257,8 @@ def run_state_walk(pr: Prepared, bufs: Optional[tuple] = None, lo: int = 0,
         args = [pr.dt, pr.A] + dt_extra_args(pr) + init + [sin, final, final.stride(0), dtp, cs, d.l, d.h, d.hpg,
                                                             d.nc, lo, hi]
         args += strides3(pr.dt) + tma.launch_descriptors(cfg, even_tiles(d, cfg.block_k), "state walk", [
-            (pr.x, 2, (cfg.block_k, cfg.block_m)), (pr.B, 2, (cfg.block_k, cfg.block_n))])
+            (pr.x, 2, (cfg.block_k, cfg.block_m)), (pr.B, 2, (cfg.block_k, cfg.block_n)),
+            (sin, 4, (cfg.block_m, cfg.block_n))])
         kern.launch(((d.p // cfg.block_m) * (d.n // cfg.block_n), d.b * d.h), args,
                     dict(BT=cfg.block_k, BP=cfg.block_m, BN=cfg.block_n, P=d.p, N=d.n), cfg)
 

@@ -38,7 +38,7 @@ SCAN_DESCRIPTORS = {"xd": (32, 64), "cd": (64, 128), "sd": (64, 128), "cbd": (64
 DX_DESCRIPTORS = {"bd": (64, 128), "dsd": (64, 128), "cbd": (64, 32), "dyd": (32, 64)}
 DB_DESCRIPTORS = {"ownd": (64, 128), "hd": (64, 64), "sd": (64, 128), "otherd": (32, 128), "dcbd": (32, 64)}
 DC_DESCRIPTORS = dict(DB_DESCRIPTORS, dcbd=(64, 32))
-WALK_DESCRIPTORS = {"xd": (32, 32), "bd": (32, 64)}
+WALK_DESCRIPTORS = {"xd": (32, 32), "bd": (32, 64), "sind": (32, 64)}
 DESCRIPTOR_DTYPE = {"cbd": "fp32", "dcbd": "fp32"}
 
 
@@ -64,7 +64,8 @@ def _type(name: str, constexprs: dict, descriptors: dict, pointers: dict) -> str
 
 def cases() -> list[tuple]:
     """(name, generated source or hand-written kernel, constexprs, descriptor block shapes[, pointer
-    types]) of every kernel compiled; a generated kernel's own name is ``name`` without "_tma"."""
+    types]) of every kernel compiled; a generated kernel's own name is ``name`` without "_tma" and
+    without what follows a colon (another tile of the same kernel)."""
     r, out = REGION, []
     tiles = dict(BT=64, BS=32, PP=64, NP=128, EVEN=True)
     for tma in (False, True):
@@ -82,8 +83,12 @@ def cases() -> list[tuple]:
              dict(BT=32, BP=64, NP=128), {"xd": (32, 64), "bd": (32, 128)}),
             ("ssd_state_walk", render_state_walk.render_state_walk(r),
              dict(BT=32, BP=32, BN=64, P=64, N=128), WALK_DESCRIPTORS),
+            ("ssd_state_walk:whole-chunk-blocks", render_state_walk.render_state_walk(r),
+             dict(BT=256, BP=32, BN=64, P=64, N=128), {"xd": (256, 32), "bd": (256, 64), "sind": (32, 64)}),
             ("ssd_state_pass", render_fwd.render_state_pass(r), dict(BLK=1024), {}),
             ("ssd_chunk_scan_tma", render_fwd.render_chunk_scan(r, 1, "forward", True), SCAN, SCAN_DESCRIPTORS),
+            ("ssd_chunk_scan_tma:square", render_fwd.render_chunk_scan(r, 1, "forward", True), dict(SCAN, BK=64),
+             dict(SCAN_DESCRIPTORS, xd=(64, 64), cbd=(64, 64))),
             ("ssd_gate_backward_tma", render_fwd.render_chunk_scan(r, 1, "gate_backward", True), SCAN,
              {k: v for k, v in SCAN_DESCRIPTORS.items() if k != "yd"}),
             ("ssd_chunk_dstate_tma", render_fwd.render_chunk_state(r, "dstate", 1, True),
@@ -108,7 +113,7 @@ def main() -> int:
     failed = 0
     for name, kernel, constexprs, descriptors, *pointers in cases():
         if isinstance(kernel, str):
-            kernel = _kernel(name.removesuffix("_tma"), kernel)
+            kernel = _kernel(name.split(":")[0].removesuffix("_tma"), kernel)
         signature = {a: _type(a, constexprs, descriptors, pointers[0] if pointers else {}) for a in kernel.arg_names}
         try:
             triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))

@@ -22,7 +22,7 @@ def test_generated_kernels_compile_for_sm90(tmp_path):
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert compiled == ["ssd_chunk_scan_fold", "ssd_dx_fold", "ssd_db_fold", "ssd_dc_part",
                         "ssd_chunk_scan_fold_tma", "ssd_dx_fold_tma", "ssd_db_fold_tma", "ssd_dc_part_tma",
-                        "ssd_chunk_state_tma", "ssd_state_walk",
-                        "ssd_state_pass", "ssd_chunk_scan_tma", "ssd_gate_backward_tma", "ssd_chunk_dstate_tma",
+                        "ssd_chunk_state_tma", "ssd_state_walk", "ssd_state_walk:whole-chunk-blocks",
+                        "ssd_state_pass", "ssd_chunk_scan_tma", "ssd_chunk_scan_tma:square", "ssd_gate_backward_tma", "ssd_chunk_dstate_tma",
                         "ssd_state_walk_bwd", "ssd_dx_tma", "ssd_dcb_tma", "ssd_dc_tma", "ssd_db_tma",
                         "cp_incoming", "cp_incoming_without_final", "cp_outgoing"]

@@ -290,18 +290,22 @@ def _split_views(args, g, pad: int):
     return [x2, *args[1:3], B2, C2, *args[5:]]
 
 
-@pytest.mark.parametrize("dtype,pad,heads", [(torch.float32, 0, 1), (torch.bfloat16, 3, 2)],
-                         ids=["fp32-views-1head", "bf16-unaligned-rows-2heads"])
-def test_descriptor_chunk_scan_matches_referee(monkeypatch, dtype, pad, heads):
+@pytest.mark.parametrize("dtype,pad,heads,bk,tma", [(torch.float32, 0, 1, 16, True), (torch.bfloat16, 3, 2, 16, True),
+                                                  (torch.float32, 0, 1, 32, True), (torch.bfloat16, 3, 2, 32, False)],
+                         ids=["fp32-views-1head", "bf16-unaligned-rows-2heads", "fp32-square-tiles",
+                              "bf16-square-tiles-pointers-2heads"])
+def test_descriptor_chunk_scan_matches_referee(monkeypatch, dtype, pad, heads, bk, tma):
     """The chunk scan loading C, the states, C B^T and x through tensor descriptors (``tma``) on an
     EVEN launch (two chunks of two row tiles, so both partner loops run): x, B and C are views of
     one buffer (rows a TMA can address as they are, or, with ``pad``, copied first).  Matches the
-    referee, and the pointer-loading chunk scan to rounding."""
+    referee, and the pointer-loading chunk scan to rounding.  Square tiles (``bk`` == block_m, the
+    GPU's default at 128-step chunks) take the diagonal step outside the loops, with descriptors
+    or pointer loads."""
     from mambac.codegen import ssd_kernels as fk
     from mambac.codegen.kernel_ir import TileConfig
     args = _split_views(make_inputs(17, _batch(dtype), 128, 4, 16, 16, 1, D="head", z=True, init=True, bias=True,
                                     dtype=dtype), 1, pad)
-    tile = TileConfig(block_m=32, block_k=16, heads=heads, num_warps=1, tma=True)
+    tile = TileConfig(block_m=32, block_k=bk, heads=heads, num_warps=1, tma=tma)
     _with_tiles_matches(monkeypatch, args, 64, [(fk, "CHUNK_SCAN", tile)], seed=4)
 
 
@@ -392,6 +396,28 @@ def test_state_walks_match_referee_and_the_per_chunk_states(dtype, pad):
     _grads_close(base, grads, dtype)
     assert rel_err(saved.sin, base_saved.sin) <= tol
     assert torch.equal(saved.dtp, base_saved.dtp) and rel_err(saved.cs, base_saved.cs) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_walk_in_whole_chunk_blocks(monkeypatch, dtype):
+    """The walk with one block per chunk (BT == chunk, the GPU's tile at 128-step chunks), whose
+    states leave through a descriptor store: the forward, every gradient and the states entering
+    each chunk match the referee and the per-chunk states to rounding."""
+    from mambac.codegen import ssd_kernels as fk
+    from mambac.codegen.kernel_ir import TileConfig
+    args = _split_views(make_inputs(41, _batch(dtype), 96, 4, 32, 32, 2, D="head", z=True, init=True, bias=True,
+                                    dtype=dtype), 2, 0)
+    pr = fk.prepare(*args, 32, True, 0.0, math.inf)
+    tile = TileConfig(block_m=16, block_k=32, block_n=16, num_warps=1, tma=True)
+    with knobs.override(ssd_walk="1"), only_tile(monkeypatch, fk, "STATE_WALK", tile):
+        y, grads, (gy, gs) = check(args, 32, True, NOLIM, seed=18)
+        saved = fk.forward_prepared(pr)[2]
+    with knobs.override(ssd_walk="0"):
+        *base_y, base_saved = ssd_forward(*args, chunk_size=32, dt_softplus=True, return_saved=True)
+    # fp32: the walk sums each chunk in one block, the per-chunk states in two (1.2e-6 apart seen)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(y[0], base_y[0]) <= tol and rel_err(y[1], base_y[1]) <= tol
+    assert rel_err(saved.sin, base_saved.sin) <= tol
 
 
 def test_state_walk_path_choice():
