@@ -68,7 +68,8 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
     else:
         opts = CompileOptions.create(world_size=world_size, **options)
     from mambac.convert import prepare_model  # a checkpoint path or a foreign (HF, mamba_ssm) model
-    model = prepare_model(model)
+    given, model = model, prepare_model(model)
+    source = given if isinstance(given, torch.nn.Module) and given is not model else None
     if not isinstance(model, torch.nn.Module):
         raise MambacInputError(f"mambac.compile takes a torch.nn.Module, got {type(model).__name__}.")
     if isinstance(model, CompiledModule):
@@ -77,7 +78,7 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
     if auto:  # the planner's best layout that this version can compile (mambac/plan_auto.py)
         opts = plan_auto.resolve(model, world_size, example_inputs, options)
     _warn_if_triton_cannot_run(model, opts)
-    compiled = CompiledModule(model, opts, _input_checks(model, opts))
+    compiled = CompiledModule(model, opts, _input_checks(model, opts), source)
     if example_inputs is None and hasattr(model, "example_inputs"):
         example_inputs = model.example_inputs()
     if example_inputs is not None:

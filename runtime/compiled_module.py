@@ -80,12 +80,15 @@ def check_same_config(model: torch.nn.Module, options: CompileOptions) -> None:
 
 class CompiledModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, options: CompileOptions,
-                 check_inputs: Callable[[list[Any]], None] | None = None) -> None:
+                 check_inputs: Callable[[list[Any]], None] | None = None,
+                 source: torch.nn.Module | None = None) -> None:
+        """``source``: the model the user passed when ``model`` is its conversion (a Hugging Face
+        or mamba_ssm model; they share their parameters), whose attributes stay reachable."""
         super().__init__()
         from mambac.runtime.cuda_graphs import CudaGraphs, check_supported
         check_supported(model, options)  # before any process group or local copy is made
         d = self.__dict__
-        d.update(_mambac_model=model, _mambac_options=options, _mambac_programs_by_mode={},
+        d.update(_mambac_model=model, _mambac_source=source, _mambac_options=options, _mambac_programs_by_mode={},
                  _mambac_check_inputs=check_inputs, _mambac_mesh=None, _mambac_setup=None, _mambac_ddp=None,
                  _mambac_current=None, _mambac_graphs=CudaGraphs() if options.cuda_graphs else None)
         target = model
@@ -126,7 +129,37 @@ class CompiledModule(torch.nn.Module):
                 "it holds this rank's shards and the process groups. Save compiled.state_dict() (unsharded; "
                 "every rank calls it) or a sharded checkpoint (docs/parallel.md), and call mambac.compile "
                 "on the loaded model.")
-        return (_rebuild, (self.original_module, self.options, self.__dict__["_mambac_check_inputs"]))
+        d = self.__dict__
+        return (_rebuild, (self.original_module, self.options, d["_mambac_check_inputs"], d["_mambac_source"]))
+
+    def __getattr__(self, name: str) -> Any:
+        """What the compiled module does not have itself (a user model's helper methods and
+        fields; a converted model's, then the Hugging Face or mamba_ssm model's it was converted
+        from, such as ``generate``) is the model's own, as with ``torch.compile``: on one rank
+        they all share their parameters, and such methods run the model's own code, not the
+        lowered programs.  On several ranks the model holds unsharded parameters this rank does
+        not train, so its methods and modules are refused with a message instead of reading stale
+        weights (plain values such as a ``config`` are passed on)."""
+        try:
+            return super().__getattr__(name)   # parameters, buffers, child modules
+        except AttributeError:
+            pass
+        d = self.__dict__
+        if name.startswith("__") or "_mambac_model" not in d:   # copy / pickle probes, a half-built module
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        owners = [m for m in (d["_mambac_model"], d["_mambac_source"]) if m is not None]
+        owner = next((m for m in owners if hasattr(m, name)), None)
+        names = " nor ".join(type(m).__name__ for m in owners)
+        if owner is None:
+            raise AttributeError(f"neither the compiled module nor its model ({names}) has an attribute '{name}'")
+        value = getattr(owner, name)
+        if d["_mambac_options"].world_size > 1 and (callable(value) or isinstance(value, torch.nn.Module)):
+            raise AttributeError(
+                f"'{name}' is a method or module of the model ({type(owner).__name__}), which a module compiled "
+                f"for world_size={d['_mambac_options'].world_size} does not pass on: this rank trains copies of "
+                "its parameter shards, so the model's own code would read its untrained, unsharded weights. Call "
+                "it on a model that loads compiled.state_dict() (unsharded; every rank calls it).")
+        return value
 
     @property
     def original_module(self) -> torch.nn.Module:
@@ -302,6 +335,7 @@ class CompiledModule(torch.nn.Module):
 
 
 def _rebuild(model: torch.nn.Module, options: CompileOptions,
-             check_inputs: Callable[[list[Any]], None] | None) -> CompiledModule:
-    """A pickled ``CompiledModule`` (one rank), back from its model and options."""
-    return CompiledModule(model, options, check_inputs)
+             check_inputs: Callable[[list[Any]], None] | None,
+             source: torch.nn.Module | None = None) -> CompiledModule:
+    """A pickled ``CompiledModule`` (one rank), back from its model, options and source model."""
+    return CompiledModule(model, options, check_inputs, source)

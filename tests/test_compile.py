@@ -157,6 +157,28 @@ def test_pickles_and_deep_copies_as_model_and_options(tmp_path):
             other(torch.full((1, 4), 999))
 
 
+def test_model_attributes_reach_through_on_one_rank_only():
+    """What the compiled module lacks is the model's own (a helper method reads the shared,
+    trained weights; a plain field); an attribute neither has is an AttributeError naming the
+    model.  Compiled for two ranks (lowered offline, no process group), a method or module of the
+    model is refused with the reason, and a plain value still passes."""
+    model = tiny_lm("mamba2")
+    model.note = "kept"
+    model.head_norm = lambda: model.lm_head.weight.norm()
+    compiled = mambac.compile(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    assert compiled.note == "kept" and compiled.head_norm() == model.lm_head.weight.norm()
+    assert compiled.config is model.config
+    with pytest.raises(AttributeError, match=f"nor its model \\({type(model).__name__}\\)"):
+        compiled.missing
+    assert not hasattr(compiled, "__deepcopy__")   # the copy protocol's probes are not passed on
+    sharded = mambac.compile(model, world_size=2, tp=2)
+    assert sharded.note == "kept" and sharded.config is model.config
+    with pytest.raises(AttributeError, match="untrained, unsharded weights"):
+        sharded.head_norm
+
+
 def test_triton_kernels_on_the_cpu_without_the_interpreter_warn(monkeypatch):
     """kernels='triton' for a CPU model runs the generated kernels only in Triton's interpreter;
     without it the compile says that the reference ops run (and they do)."""

@@ -1,5 +1,7 @@
 """Hugging Face Mamba / Mamba-2 models: converted and compiled models equal HF's own eager forward,
 share its parameters, and give its state dict back under HF's names."""
+import copy
+
 import pytest
 import torch
 
@@ -79,6 +81,28 @@ def test_compiled_state_dict_round_trips_and_optimiser_reaches_hf():
     opt.step()
     assert not torch.equal(model.lm_head.weight, before)
     assert rel_err(compiled(ids), hf_output(model, ids)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["mamba_lm", "mamba2_lm_groups"])
+def test_compiled_hf_model_generates_with_the_trained_weights(name):
+    """``compiled.generate`` is the HF model's own (the converted model has none): greedy
+    generation after a training step through the compiled module matches the HF model's, which
+    shares the updated parameters, and differs from before the step."""
+    model = hf_model(name)
+    compiled = mambac.compile(model)
+    ids = torch.randint(0, 37, (1, 6))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    before = model(ids, use_cache=False).logits
+    torch.optim.SGD(compiled.parameters(), lr=1.0).zero_grad()
+    compiled(ids[:, :-1], ids[:, 1:]).backward()
+    torch.optim.SGD(compiled.parameters(), lr=1.0).step()
+    assert rel_err(model(ids, use_cache=False).logits, before) > 1e-3   # the step reached the HF model
+    assert torch.equal(compiled.generate(ids, **kw), model.generate(ids, **kw))
+    copied = copy.deepcopy(compiled)   # the copy keeps its own copy of the HF model
+    assert torch.equal(copied.generate(ids, **kw), model.generate(ids, **kw))
+    assert compiled.config is compiled.original_module.config   # the converted model's own attributes first
+    with pytest.raises(AttributeError, match=f"MambaLMHeadModel nor {type(model).__name__}"):
+        compiled.no_such_attribute
 
 
 def test_unsupported_hf_configs_are_refused():
