@@ -141,6 +141,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from mambac.explain import explain
     from mambac.lowering import lower_all_ranks
 
+    if args.rank is not None and args.rank >= args.world_size:
+        raise MambacInputError(f"--rank {args.rank} is not a rank of --world-size {args.world_size}.")
     model = prepare_model(load_model(args.model))
     opts = _mesh_options(args)
     programs = lower_all_ranks(model, _example_inputs(model, args.batch, args.seqlen), args.world_size, **opts)
@@ -205,6 +207,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(root / f"bench_{args.name}.py"), *args.args])
 
 
+def _count(text: str) -> int:
+    """An argparse type: a positive integer (ranks, batch, length)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _index(text: str) -> int:
+    """An argparse type: a non-negative integer (a rank, a number of restarts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mambac", description="mambac: a compiler for Mamba-family models.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -213,46 +248,46 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--list", action="store_true", help="list the built-in presets")
     d.add_argument("--stage", default="", help="pass name, or 'all' (default: the last pass)")
     d.add_argument("--format", choices=("text", "dot", "svg"), default="text")
-    d.add_argument("--world-size", type=int, default=1, help="lower the program of every rank of W")
-    d.add_argument("--rank", type=int, default=0, help="which rank's program to print")
-    d.add_argument("--tp", type=int, default=None)
-    d.add_argument("--dp", type=int, default=1)
-    d.add_argument("--cp", type=int, default=1, help="context-parallel ranks (the sequence split)")
+    d.add_argument("--world-size", type=_count, default=1, help="lower the program of every rank of W")
+    d.add_argument("--rank", type=_index, default=0, help="which rank's program to print")
+    d.add_argument("--tp", type=_count, default=None)
+    d.add_argument("--dp", type=_count, default=1)
+    d.add_argument("--cp", type=_count, default=1, help="context-parallel ranks (the sequence split)")
     d.add_argument("--sequence-parallel", action="store_true")
-    d.add_argument("--batch", type=int, default=2)
-    d.add_argument("--seqlen", type=int, default=64)
+    d.add_argument("--batch", type=_count, default=2)
+    d.add_argument("--seqlen", type=_count, default=64)
     d.add_argument("-o", "--output", default="", help="file (with --kernels: a directory)")
     d.add_argument("--kernels", action="store_true", help="print the generated Triton kernels the program uses")
     _remat_arguments(d)
     d.set_defaults(fn=cmd_dump)
     e = sub.add_parser("explain", help="per rank: parameters, activation memory, communication, kernels")
     e.add_argument("model", help="preset name, file.py:factory, or checkpoint directory")
-    e.add_argument("--world-size", type=int, default=1)
-    e.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
-    e.add_argument("--tp", type=int, default=None)
-    e.add_argument("--dp", type=int, default=1)
-    e.add_argument("--cp", type=int, default=1, help="context-parallel ranks (the sequence split)")
+    e.add_argument("--world-size", type=_count, default=1)
+    e.add_argument("--rank", type=_index, default=None, help="only this rank (default: all)")
+    e.add_argument("--tp", type=_count, default=None)
+    e.add_argument("--dp", type=_count, default=1)
+    e.add_argument("--cp", type=_count, default=1, help="context-parallel ranks (the sequence split)")
     e.add_argument("--sequence-parallel", action="store_true")
     _remat_arguments(e)
-    e.add_argument("--batch", type=int, default=2)
-    e.add_argument("--seqlen", type=int, default=64)
+    e.add_argument("--batch", type=_count, default=2)
+    e.add_argument("--seqlen", type=_count, default=64)
     e.set_defaults(fn=cmd_explain)
     r = sub.add_parser("run", help="launch W ranks of a script through torch.distributed.run")
-    r.add_argument("-n", "--nprocs", type=int, required=True)
-    r.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
-    r.add_argument("--max-restarts", type=int, default=0,
+    r.add_argument("-n", "--nprocs", type=_count, required=True)
+    r.add_argument("--timeout", type=_seconds, default=None, help="stop every rank after this many seconds")
+    r.add_argument("--max-restarts", type=_index, default=0,
                    help="when a rank fails, restart every rank up to this many times")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("plan", help="rank parallel layouts (tp, cp, dp, sp, remat) by predicted step time")
     p.add_argument("model", help="preset name, file.py:factory, or checkpoint directory")
-    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--world-size", type=_count, default=1)
     p.add_argument("--device-memory", default=None, help="bytes per device, e.g. 80GiB (default: the device's)")
     p.add_argument("--device", choices=("h200", "cpu"), default="h200")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--top", type=int, default=10, help="how many feasible layouts to print")
+    p.add_argument("--batch", type=_count, default=8)
+    p.add_argument("--seqlen", type=_count, default=2048)
+    p.add_argument("--top", type=_count, default=10, help="how many feasible layouts to print")
     p.set_defaults(fn=cmd_plan)
     b = sub.add_parser("bench", help="run a benchmark script of benchmarks/ (tables of speed and memory)")
     b.add_argument("name", nargs="?", help="benchmark name (none: list them), e.g. ssd, cp, remat, train")

@@ -2,6 +2,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from mambac.cli import main
 
 
@@ -157,3 +159,26 @@ def test_mambac_logs_sets_up_logging_on_import():
     r = subprocess.run([sys.executable, "-c", "import mambac"], capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "MAMBAC_LOGS": "loud"})
     assert r.returncode != 0 and "MAMBAC_LOGS='loud' is not a logging level" in r.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["dump", "mamba2-tiny", "--seqlen", "-5"], "argument --seqlen: must be a positive integer, got -5"),
+    (["explain", "mamba2-tiny", "--seqlen", "0"], "argument --seqlen: must be a positive integer, got 0"),
+    (["explain", "mamba2-tiny", "--batch", "two"], "argument --batch: expected a positive integer, got 'two'"),
+    (["dump", "mamba2-tiny", "--world-size", "0"], "argument --world-size: must be a positive integer"),
+    (["dump", "mamba2-tiny", "--rank", "-1"], "argument --rank: must not be negative, got -1"),
+    (["plan", "mamba2-tiny", "--top", "0"], "argument --top: must be a positive integer"),
+    (["run", "-n", "2", "--timeout", "-1", "x.py"], "argument --timeout: must be a positive number of seconds"),
+    (["run", "-n", "2", "--max-restarts", "-1", "x.py"], "argument --max-restarts: must not be negative"),
+])
+def test_counts_sizes_and_ranks_are_checked_as_they_are_parsed(argv, message, capsys):
+    """Sizes, counts and ranks that cannot be (zero or negative lengths, a negative rank) stop at
+    the argument parser with the option's name, before any model is loaded."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_explain_refuses_a_rank_outside_the_world(capsys):
+    assert main(["explain", "mamba2-tiny", "--rank", "3"]) == 2
+    assert "--rank 3 is not a rank of --world-size 1" in capsys.readouterr().err
