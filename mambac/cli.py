@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -207,38 +207,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(root / f"bench_{args.name}.py"), *args.args])
 
 
-def _count(text: str) -> int:
-    """An argparse type: a positive integer (ranks, batch, length)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _checked(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
+    """An argparse type: ``convert`` the text (else "expected ``what``"), then require ``ok``
+    (else ``rule``), so that a bad count or rank stops at the parser with the option's name."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return value
+    return parse
 
 
-def _index(text: str) -> int:
-    """An argparse type: a non-negative integer (a rank, a number of restarts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
+_count = _checked(int, "a positive integer", lambda v: v >= 1, "must be a positive integer")   # ranks, batch, length
+_index = _checked(int, "a non-negative integer", lambda v: v >= 0, "must not be negative")     # a rank, restarts
+_seconds = _checked(float, "a number of seconds", lambda v: v > 0, "must be a positive number of seconds")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mambac", description="mambac: a compiler for Mamba-family models.")
