@@ -225,6 +225,7 @@ _count = _checked(int, "a positive integer", lambda v: v >= 1, "must be a positi
 _index = _checked(int, "a non-negative integer", lambda v: v >= 0, "must not be negative")     # a rank, restarts
 _seconds = _checked(float, "a number of seconds", lambda v: v > 0, "must be a positive number of seconds")
 
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mambac", description="mambac: a compiler for Mamba-family models.")
     sub = ap.add_subparsers(dest="command", required=True)
