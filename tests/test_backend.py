@@ -515,6 +515,25 @@ def test_transformers_mixer_with_attention_mask_runs_unlowered(caplog):
     assert "backbone.layers.1.mixer" in caplog.text
 
 
+def test_transformers_generation_cache_keeps_mamba2_mixers_unlowered_and_says_how(caplog):
+    """With the config's use_cache=True, transformers gives each call a generation cache, which
+    reaches the Mamba-2 mixers: they stay HF's code, the results equal eager, and the warning names
+    the fix (use_cache=False); with use_cache=False they are swapped."""
+    from tests.convert.hf_models import hf_model
+
+    model = hf_model("mamba2_lm_groups")
+    model.config.use_cache = True
+    ids = torch.randint(0, 37, (2, 8))
+    backend = MambacBackend()
+    compiled = torch.compile(model, backend=backend)
+    with caplog.at_level("WARNING", logger="mambac.backend"):
+        _check_parity(model, lambda x: model(x).logits, lambda x: compiled(x).logits, ids)
+    assert backend.graphs[0].ctx.stats["backend"].counts == {"mixers.lowered": 0, "mixers.not_lowered": 2}
+    assert "called with use_cache=False" in caplog.text
+    _check_parity(model, _hf_logits(model), _hf_logits(compiled), ids)
+    assert backend.graphs[-1].ctx.stats["backend"].counts == {"mixers.lowered": 2, "mixers.not_lowered": 0}
+
+
 def test_state_changing_calls_with_unused_results_survive_the_passes():
     """dynamo records ``vmap``'s level counters (and grad-mode switches) as calls whose results
     nobody reads; dead-code elimination keeps them, so a vmapped region runs as in eager."""
