@@ -92,6 +92,20 @@ def test_bad_token_ids_are_rejected_before_running():
     assert compiled.programs == lowered   # nothing was lowered for the bad calls
 
 
+def test_unshifted_labels_warn_with_the_shift_to_use():
+    """Labels that are the input ids themselves (Hugging Face's labels=ids, which HF shifts inside)
+    warn that mambac's labels are already shifted and say how; shifted labels do not warn."""
+    import warnings
+
+    compiled = mambac.compile(tiny_lm("mamba2"))
+    ids = torch.randint(0, 37, (2, 9))
+    with pytest.warns(UserWarning, match=r"labels are input_ids themselves.*\(ids\[:, :-1\], ids\[:, 1:\]\)"):
+        compiled(ids, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled(ids[:, :-1], ids[:, 1:])
+
+
 def test_compile_rejects_non_modules_and_double_compile():
     with pytest.raises(MambacInputError, match="nn.Module"):
         mambac.compile("not a model")

@@ -7,6 +7,7 @@ mamba_ssm checkpoint loads with ``load_state_dict`` as it is.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -138,6 +139,11 @@ def check_token_batch(input_ids, labels=None, vocab_size: int | None = None, emp
     shape = tuple(input_ids.shape)
     if labels is not None and tuple(labels.shape) != shape:
         raise MambacInputError(f"input_ids {shape} and labels {tuple(labels.shape)} differ in shape; they must match.")
+    if labels is not None and labels.numel() and labels.data_ptr() == input_ids.data_ptr() \
+            and labels.stride() == input_ids.stride():
+        warnings.warn("labels are input_ids themselves: the LM takes labels already shifted (label t is token t + 1, "
+                      "mamba_ssm's convention), so this trains each position to copy its own token. For Hugging "
+                      "Face's labels=ids pass (ids[:, :-1], ids[:, 1:]).", UserWarning, stacklevel=3)
     if shape[0] == 0 or (shape[1] == 0 and not empty_length_ok):
         raise MambacInputError(f"input_ids of shape {shape} hold no tokens; pass at least one sequence of at least "
                                "one token.")
