@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from mambac.errors import MambacInputError, MambacOptionsError
+from mambac.lowering import bind_inputs
 from mambac.options import CompileOptions
 from mambac.runtime.compiled_module import CompiledModule
 
@@ -56,7 +57,8 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
     dp, cp, sequence_parallel, remat, memory_budget) with the planner for ``device_memory``,
     ``batch`` and ``seqlen`` (see ``mambac.plan_auto``).  With ``example_inputs`` (or a model that
     provides ``example_inputs()``) the program is lowered now, so errors surface here; otherwise on
-    the first call.  The result shares the model's parameters and ``state_dict`` keys.
+    the first call (a lone tensor is taken as the forward's one argument); they get the same
+    input checks as a call.  The result shares the model's parameters and ``state_dict`` keys.
     """
     from mambac import plan_auto
     auto = plan_auto.wants_auto(options)
@@ -67,6 +69,8 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
                                  "or drop them.")
     else:
         opts = CompileOptions.create(world_size=world_size, **options)
+    if isinstance(example_inputs, torch.Tensor):   # the forward's one argument, given bare
+        example_inputs = (example_inputs,)
     from mambac.convert import prepare_model  # a checkpoint path or a foreign (HF, mamba_ssm) model
     given, model = model, prepare_model(model)
     source = given if isinstance(given, torch.nn.Module) and given is not model else None
@@ -78,9 +82,12 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
     if auto:  # the planner's best layout that this version can compile (mambac/plan_auto.py)
         opts = plan_auto.resolve(model, world_size, example_inputs, options)
     _warn_if_triton_cannot_run(model, opts)
-    compiled = CompiledModule(model, opts, _input_checks(model, opts), source)
+    checks = _input_checks(model, opts)
+    compiled = CompiledModule(model, opts, checks, source)
     if example_inputs is None and hasattr(model, "example_inputs"):
         example_inputs = model.example_inputs()
     if example_inputs is not None:
+        if checks is not None:
+            checks(bind_inputs(model, example_inputs, {}))
         compiled.program_for(*example_inputs)
     return compiled

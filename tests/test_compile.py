@@ -92,6 +92,19 @@ def test_bad_token_ids_are_rejected_before_running():
     assert compiled.programs == lowered   # nothing was lowered for the bad calls
 
 
+def test_example_inputs_take_a_bare_tensor_and_get_the_call_checks():
+    """``example_inputs=ids`` is the forward's one argument (not one argument per row), lowered at
+    compile; example ids the model could not take fail there with the call's clear error."""
+    model = tiny_lm("mamba2")
+    ids = torch.randint(0, 37, (2, 8))
+    compiled = mambac.compile(model, example_inputs=ids)
+    assert len(compiled.programs) == 1 and rel_err(compiled(ids), model(ids)) == 0.0
+    with pytest.raises(MambacInputError, match="integer token ids"):
+        mambac.compile(model, example_inputs=(ids.float(),))
+    with pytest.raises(MambacInputError, match=r"this batch has 99\.\.99"):
+        mambac.compile(model, example_inputs=(torch.full((2, 8), 99),))
+
+
 def test_unshifted_labels_warn_with_the_shift_to_use():
     """Labels that are the input ids themselves (Hugging Face's labels=ids, which HF shifts inside)
     warn that mambac's labels are already shifted and say how; shifted labels do not warn."""
