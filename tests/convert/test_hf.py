@@ -84,8 +84,8 @@ def test_compiled_state_dict_round_trips_and_optimiser_reaches_hf():
 
 
 @pytest.mark.parametrize("name", ["mamba_lm", "mamba2_lm_groups"])
-def test_compiled_hf_model_generates_with_the_trained_weights(name):
-    """``compiled.generate`` is the HF model's own (the converted model has none): greedy
+def test_compiled_hf_model_generates_with_the_trained_weights(name, tmp_path):
+    """``compiled.generate`` and ``save_pretrained`` are the HF model's own (the converted model has none): greedy
     generation after a training step through the compiled module matches the HF model's, which
     shares the updated parameters, and differs from before the step."""
     model = hf_model(name)
@@ -98,6 +98,8 @@ def test_compiled_hf_model_generates_with_the_trained_weights(name):
     torch.optim.SGD(compiled.parameters(), lr=1.0).step()
     assert rel_err(model(ids, use_cache=False).logits, before) > 1e-3   # the step reached the HF model
     assert torch.equal(compiled.generate(ids, **kw), model.generate(ids, **kw))
+    compiled.save_pretrained(tmp_path)   # HF's own save, of the trained weights
+    assert torch.equal(type(model).from_pretrained(tmp_path).generate(ids, **kw), model.generate(ids, **kw))
     copied = copy.deepcopy(compiled)   # the copy keeps its own copy of the HF model
     assert torch.equal(copied.generate(ids, **kw), model.generate(ids, **kw))
     assert compiled.config is compiled.original_module.config   # the converted model's own attributes first
