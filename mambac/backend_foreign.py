@@ -172,8 +172,8 @@ def _check_region(gm: torch.fx.GraphModule, region: Region, mixer: nn.Module, pa
         names = ", ".join(n.name for n in others) or "none"
         raise Refused(f"its forward got {len(others)} tensor input(s) besides its parameters ({names}); only "
                       "hidden_states is supported (a cache or an attention mask that is not None is not; "
-                      "transformers 5 gives every call a generation cache unless it is called with "
-                      "use_cache=False, which training needs no cache for)")
+                      "transformers 5 builds a generation cache for each call not made with use_cache=False, "
+                      "and training needs none)")
     missing = sorted(set(n for n, _ in mixer.named_parameters()) - set(params))
     if missing:
         raise Refused(f"the graph holds part of its forward only (parameters {missing} are not read in it)")
