@@ -250,7 +250,17 @@ class CompiledModule(torch.nn.Module):
         return run(values) if graphs is None else graphs.run(program, values, run)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        values = bind_inputs(self.original_module, args, kwargs)
+        try:
+            values = bind_inputs(self.original_module, args, kwargs)
+        except MambacInputError as exc:
+            source = self.__dict__["_mambac_source"]
+            if source is None:
+                raise
+            raise MambacInputError(
+                f"{exc}. The compiled module runs mambac's {type(self.original_module).__name__}, converted from "
+                f"{type(source).__name__}: arguments of {type(source).__name__}.forward that the converted model "
+                "does not have (use_cache, attention_mask, return_dict, ...) are not taken, and its labels are "
+                "already shifted (docs/models.md).") from None
         check = self.__dict__["_mambac_check_inputs"]
         if check is not None:
             check(values)

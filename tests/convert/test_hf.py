@@ -7,7 +7,7 @@ import torch
 
 import mambac
 from mambac.convert import convert, hf, key_map, load_original_state_dict, original_state_dict
-from mambac.errors import MambacConfigError
+from mambac.errors import MambacConfigError, MambacInputError
 from mambac.models import MambaLMHeadModel
 from mambac.models.lm import MixerModel
 from tests.convert.hf_models import CASES, hf_model, hf_output
@@ -105,6 +105,8 @@ def test_compiled_hf_model_generates_with_the_trained_weights(name, tmp_path):
     assert compiled.config is compiled.original_module.config   # the converted model's own attributes first
     with pytest.raises(AttributeError, match=f"MambaLMHeadModel nor {type(model).__name__}"):
         compiled.no_such_attribute
+    with pytest.raises(MambacInputError, match=f"converted from {type(model).__name__}: arguments .* use_cache"):
+        compiled(ids, use_cache=False)   # an HF-only argument: the message says what the compiled forward takes
 
 
 def test_unsupported_hf_configs_are_refused():
