@@ -105,7 +105,7 @@ def test_compiled_hf_model_generates_with_the_trained_weights(name, tmp_path):
     assert compiled.config is compiled.original_module.config   # the converted model's own attributes first
     with pytest.raises(AttributeError, match=f"MambaLMHeadModel nor {type(model).__name__}"):
         compiled.no_such_attribute
-    with pytest.raises(MambacInputError, match=f"converted from {type(model).__name__}: arguments .* use_cache"):
+    with pytest.raises(MambacInputError, match=f"converted from {type(model).__name__}: arguments .*use_cache"):
         compiled(ids, use_cache=False)   # an HF-only argument: the message says what the compiled forward takes
 
 
