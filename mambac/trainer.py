@@ -26,7 +26,6 @@ from mambac.trainer_checkpoint import latest_checkpoint  # noqa: F401  (part of 
 from mambac.training import clip_grad_norm_
 
 
-
 class SyntheticTokens:
     """A resumable synthetic token source: batch ``k`` depends only on ``(seed, k)``, so the data
     position is just the step counter saved in the checkpoint."""

@@ -127,15 +127,7 @@ def _rule(st: _State, node: torch.fx.Node, dim: str):
                              None if mod.bias is None else _param_node_placement(st, f"{node.target}.bias", dim))
         if isinstance(mod, nn.Embedding):  # a lookup keeps the ids' layout (its table is replicated here)
             return so.embedding(node, ins)
-        if isinstance(mod, so.ELEMENTWISE_MODULES):
-            return so.elementwise_module(node, ins, mod)
-        if isinstance(mod, so.ROW_NORM_MODULES):
-            return so.row_norm_module(node, ins, mod, dim)
-        if isinstance(mod, so.SOFTMAX_MODULES):
-            return so.softmax_module(node, ins, mod)
-        if isinstance(mod, so.PER_SAMPLE_MODULES):
-            return so.per_sample_module(node, ins, mod, dim)
-        return so.replicated_only(node, ins, f"module {type(mod).__name__}")
+        return so.nn_module(node, ins, mod, dim)   # torch.nn's other modules by table, else replicated only
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) \
             and isinstance(st.stored(node.args[0]), Placements):
         return st.stored(node.args[0]).items[node.args[1]].on(dim), {}

@@ -129,60 +129,54 @@ def _whole(x, p):
     return R, ({x: R} if not isinstance(p, Replicate) else {})
 
 
-def _sole_input(node, ins):
-    """The module's one tensor input (its first argument) and its placement, or None."""
-    x = node.args[0] if node.args else None
-    return (x, ins[x]) if len(ins) == 1 and x in ins else None
-
-
-def per_sample_module(node, ins, mod, dim: str):
+def _per_sample(x, p, mod, dim: str):
     """A module that computes each sample alone: on the data-parallel dim the batch split passes
     through (its parameters' gradients are summed over the replicas like every parameter's);
     otherwise it runs on its whole input."""
-    sole = _sole_input(node, ins)
-    if sole is None:
-        return replicated_only(node, ins, f"module {type(mod).__name__}")
-    x, p = sole
     if dim == "dp" and isinstance(p, Shard) and p.dim == 0:
         return p, {}
     return _whole(x, p)
 
 
-def softmax_module(node, ins, mod):
-    """Softmax over one dim: a split along any other dim passes through."""
-    sole = _sole_input(node, ins)
-    if sole is None or mod.dim is None:
-        return replicated_only(node, ins, f"module {type(mod).__name__}")
-    x, p = sole
+def _softmax(x, p, mod, dim: str):
+    """Softmax over one dim: a split along any other dim passes through (None: no dim given)."""
+    if mod.dim is None:
+        return None
     if isinstance(p, Shard) and p.dim != mod.dim % _val(x).dim():
         return p, {}
     return _whole(x, p)
 
 
-def elementwise_module(node, ins, mod):
+def _elementwise(x, p, mod, dim: str):
     """An elementwise module: its output is laid out like its input (a partial sum passes through
     ``Identity`` only; the others take it reduced)."""
-    sole = _sole_input(node, ins)
-    if sole is None:
-        return replicated_only(node, ins, f"module {type(mod).__name__}")
-    x, p = sole
     if isinstance(p, Partial):
         return (Partial(), {}) if isinstance(mod, torch.nn.Identity) else (R, {x: R})
     return p, {}
 
 
-def row_norm_module(node, ins, mod, dim: str):
+def _row_norm(x, p, mod, dim: str):
     """A LayerNorm / RMSNorm module: on the data-parallel dim a split outside the normalised dims
     passes through (each sample is normalised alone; the parameters' gradients are summed over the
     replicas like every parameter's).  Otherwise it runs on its whole input: on the tensor-parallel
     dim a split input would leave its parameters with partial gradients."""
-    sole = _sole_input(node, ins)
-    if sole is None:
-        return replicated_only(node, ins, f"module {type(mod).__name__}")
-    x, p = sole
     if dim == "dp" and isinstance(p, Shard) and p.dim < _val(x).dim() - len(mod.normalized_shape):
         return p, {}
     return _whole(x, p)
+
+
+_MODULE_RULES = ((ELEMENTWISE_MODULES, _elementwise), (ROW_NORM_MODULES, _row_norm), (SOFTMAX_MODULES, _softmax),
+                 (PER_SAMPLE_MODULES, _per_sample))
+
+
+def nn_module(node, ins, mod, dim: str):
+    """The rule of a torch.nn module of the tables above, applied to its one tensor input (its first
+    argument); a module outside them, with other inputs, or that its rule refuses runs replicated
+    only (``replicated_only``'s error where its input is not replicated)."""
+    x = node.args[0] if node.args else None
+    rule = next((r for types, r in _MODULE_RULES if isinstance(mod, types)), None)
+    out = rule(x, ins[x], mod, dim) if rule is not None and len(ins) == 1 and x in ins else None
+    return out if out is not None else replicated_only(node, ins, f"module {type(mod).__name__}")
 
 
 # ---- linear ------------------------------------------------------------------------------------
