@@ -13,7 +13,6 @@ with the best row that compile can run.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -22,6 +21,7 @@ import torch
 from mambac.errors import MambacInputError, MambacOptionsError
 from mambac.memory import human
 from mambac.model_cost import ActBytes, ModelCost, measure
+from mambac.sizes import parse_bytes
 
 REMAT_MODES = ("none", "auto", "full")
 
@@ -242,20 +242,6 @@ def _fits(row: Row) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:>8.3f}ms"
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: float | str) -> float:
-    """80e9, "80GB", "80 GiB", "512MiB" -> bytes."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise MambacInputError(f"cannot read {value!r} as a size: write e.g. 80GiB, 141GB or 8e10.")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
 def with_device(device: Device, **changes: float) -> Device:

@@ -27,6 +27,7 @@ import torch
 
 from mambac.errors import MambacError, MambacInputError
 from mambac.knobs import knobs
+from mambac.sizes import parse_bytes
 
 
 def load_model(spec: str) -> torch.nn.Module:
@@ -131,7 +132,7 @@ def _mesh_options(args: argparse.Namespace) -> dict:
     if args.remat != "none":
         opts["remat"] = args.remat
     if args.memory_budget:
-        opts["memory_budget"] = _parse_bytes(args.memory_budget)
+        opts["memory_budget"] = parse_bytes(args.memory_budget)
         opts["memory_budget_scope"] = args.memory_budget_scope
     return opts
 
@@ -157,16 +158,6 @@ def _remat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget-scope", default="activations", choices=("activations", "step"),
                    help="what the budget covers: saved activations, or the step (plus parameters, gradients, "
                         "AdamW state)")
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    t = text.strip().upper()
-    num = t.rstrip("KMGIB")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (ValueError, KeyError):
-        raise MambacInputError(f"cannot read {text!r} as a size: write e.g. 8GiB, 512MiB or 1000000.") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

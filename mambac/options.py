@@ -25,7 +25,7 @@ class CompileOptions:
 
     world_size: ranks the program is lowered for; tp/dp/cp: the mesh (tp defaults to
     world_size // (dp*cp)); sequence_parallel: Megatron sequence parallelism over tp; remat and
-    memory_budget: rematerialisation (memory_budget_scope: what the budget covers, 'activations' --
+    memory_budget (bytes, or a size such as '8GiB': ``mambac.sizes``): rematerialisation (memory_budget_scope: what the budget covers, 'activations' --
     the bytes autograd saves for backward -- or 'step': those plus the rank's parameters, their
     gradients and AdamW's two fp32 moments); kernels: 'auto' (Triton on CUDA, reference ops on CPU),
     'triton' or 'reference'; output: 'full' (gathered on every rank) or 'sharded'; verify/dump_dir/
@@ -77,6 +77,8 @@ class CompileOptions:
             kwargs["disable_passes"] = tuple(p for p in kwargs["disable_passes"].split(",") if p)
         if isinstance(kwargs.get("plan"), dict):
             kwargs["plan"] = tuple(sorted(kwargs["plan"].items()))
+        for name in ("memory_budget", "device_memory"):   # 8e9, "8GiB": whole bytes, as the CLI reads them
+            kwargs[name] = _bytes_option(name, kwargs.get(name))
         opts = cls(**kwargs)
         opts._validate()
         if opts.tp is None:
@@ -90,9 +92,13 @@ class CompileOptions:
                 raise MambacOptionsError(f"{name} must be a positive integer, got {v!r}.")
         tp = self.tp if self.tp is not None else self.world_size // (self.dp * self.cp)
         if tp * self.dp * self.cp != self.world_size or tp < 1:
+            hint = ""
+            if self.world_size == 1:
+                ranks = (self.tp or 1) * self.dp * self.cp
+                hint = f" world_size is 1 unless given: for {ranks} ranks pass world_size={ranks}."
             raise MambacOptionsError(
                 f"the mesh tp={self.tp if self.tp is not None else '?'} × dp={self.dp} × cp={self.cp} does not "
-                f"multiply to world_size={self.world_size}; choose factors whose product is the world size.")
+                f"multiply to world_size={self.world_size}; choose factors whose product is the world size.{hint}")
         _choice("remat", self.remat, REMAT_MODES)
         _choice("kernels", self.kernels, KERNEL_MODES)
         _choice("output", self.output, OUTPUT_MODES)
@@ -105,8 +111,9 @@ class CompileOptions:
             raise MambacOptionsError("memory_budget is only used with remat='auto'; set remat='auto' or drop it.")
         if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
             raise MambacOptionsError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}.")
-        if not isinstance(self.cuda_graphs, bool):
-            raise MambacOptionsError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
+        for name in ("sequence_parallel", "cuda_graphs") + (("verify",) if self.verify is not None else ()):
+            if not isinstance(getattr(self, name), bool):
+                raise MambacOptionsError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         for name in ("device_memory", "batch", "seqlen"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -120,6 +127,18 @@ class CompileOptions:
                                      "which chooses tp, dp, cp, sequence_parallel, remat and memory_budget.")
         if not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in self.plan):
             raise MambacOptionsError("plan must map module paths to kinds, e.g. plan={'lm_head': 'replicate'}.")
+
+
+def _bytes_option(name: str, value):
+    """A size option as whole bytes (``mambac.sizes.parse_bytes``); None stays None."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    from mambac.errors import MambacInputError
+    from mambac.sizes import parse_bytes
+    try:
+        return parse_bytes(value)
+    except MambacInputError as exc:
+        raise MambacOptionsError(f"{name}: {exc}") from None
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
