@@ -14,6 +14,7 @@ which is the data position; every rank's RNG state), committed atomically: see
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any
 
@@ -48,16 +49,37 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
     return None if emb is None else emb.num_embeddings
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_settings(lr, weight_decay, betas, max_grad_norm, accum, bf16, on_nonfinite) -> None:
+    """Every setting of ``Trainer`` checked at once, before the optimizer exists."""
+    if on_nonfinite not in ("raise", "skip"):
+        raise MambacInputError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
+    if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+        raise MambacInputError(f"accum must be a positive number of micro-batches, got {accum!r}.")
+    if not _number(lr) or lr <= 0:
+        raise MambacInputError(f"lr must be a positive number, got {lr!r}.")
+    if not _number(weight_decay) or weight_decay < 0:
+        raise MambacInputError(f"weight_decay must be a number >= 0, got {weight_decay!r}.")
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(_number(b) and 0 <= b < 1 for b in betas)):
+        raise MambacInputError(f"betas must be two numbers in [0, 1), e.g. (0.9, 0.95), got {betas!r}.")
+    if max_grad_norm is not None and (not _number(max_grad_norm) or max_grad_norm <= 0):
+        raise MambacInputError(f"max_grad_norm must be a positive number, or None for no clipping, "
+                               f"got {max_grad_norm!r}.")
+    if bf16 is not None and not isinstance(bf16, bool):
+        raise MambacInputError(f"bf16 must be True, False or None (on for CUDA), got {bf16!r}.")
+
+
 class Trainer:
     """AdamW training of a compiled module (one rank's view; every rank makes the same calls)."""
 
     def __init__(self, compiled: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0, accum: int = 1,
                  bf16: bool | None = None, on_nonfinite: str = "raise") -> None:
-        if on_nonfinite not in ("raise", "skip"):
-            raise MambacInputError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
-        if accum < 1:
-            raise MambacInputError(f"accum must be a positive number of micro-batches, got {accum}.")
+        _check_settings(lr, weight_decay, betas, max_grad_norm, accum, bf16, on_nonfinite)
         self.compiled, self.accum, self.max_grad_norm, self.on_nonfinite = compiled, accum, max_grad_norm, on_nonfinite
         self.params = dict(self._named_params())
         device = next(iter(self.params.values())).device

@@ -134,6 +134,18 @@ def test_bad_batches_are_refused_before_anything_runs(plain, ids, labels, match)
     assert all(torch.equal(a, p) for a, p in zip(before, plain.params.values()))
 
 
+@pytest.mark.parametrize("setting, match", [
+    (dict(lr=-1e-3), "lr must be a positive number"), (dict(lr="1e-3"), "lr must be a positive number"),
+    (dict(max_grad_norm=-1.0), "max_grad_norm must be a positive number, or None"),
+    (dict(accum=1.5), "accum must be a positive number"), (dict(accum=0), "accum must be a positive number"),
+    (dict(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"), (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(bf16="yes"), "bf16 must be True, False or None"), (dict(on_nonfinite="ignore"), "on_nonfinite"),
+])
+def test_bad_settings_are_refused_by_name(setting, match):
+    with pytest.raises(MambacInputError, match=match):
+        Trainer(mambac.compile(tiny_lm("mamba2", n_layer=1)), **setting)
+
+
 def test_non_finite_gradients_stop_or_skip(plain):
     name, weight = next(iter(plain.params.items()))
     hook = weight.register_hook(lambda g: torch.full_like(g, float("nan")))
