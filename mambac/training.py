@@ -44,6 +44,10 @@ def clip_grad_norm_(module_or_params: torch.nn.Module | Iterable[torch.Tensor], 
 
     For a compiled module with tp > 1 the norm is the unsharded model's (a collective: every rank
     calls it); otherwise this is ``torch.nn.utils.clip_grad_norm_``."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        from mambac.errors import MambacInputError
+        raise MambacInputError(f"max_norm must be a positive number, got {max_norm!r} (a negative one would flip "
+                               "the gradients' sign).")
     compiled = module_or_params
     sharded = getattr(compiled, "rank_setup", None) is not None and getattr(compiled, "mesh", None) is not None
     if not sharded:

@@ -237,3 +237,10 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_training():
         assert all(st["exp_avg"].dtype == torch.float32 for st in trainer.opt.state.values())
     assert all(rel(b, f) <= 2e-2 for b, f in zip(runs[True], runs[False])), runs
     assert runs[True] != runs[False]   # the forward really ran in bf16
+
+
+def test_clip_grad_norm_refuses_a_norm_that_would_flip_the_gradients():
+    model = tiny_lm("mamba2", n_layer=1)
+    with pytest.raises(MambacInputError, match="max_norm must be a positive number, got -1.0"):
+        mambac.clip_grad_norm_(model, -1.0)
+    assert float(mambac.clip_grad_norm_(model, 1.0)) == 0.0   # no gradients yet: a zero norm, nothing changed
