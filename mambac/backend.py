@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from mambac.backend_foreign import swap_foreign_mixers
+from mambac.backend_scalars import bake, guard_scalars
 from mambac.dynamo_paths import dotted, qualname
 from mambac.capture import propagate_shapes
 from mambac.errors import MambacOptionsError
@@ -300,6 +301,11 @@ class MambacBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         _reject_extra_arguments(kwargs)
+        baked, traced = bake(gm, example_inputs)   # dynamic=True's unspecialised floats (backend_scalars.py)
+        compiled = self._compile(gm, example_inputs)
+        return guard_scalars(compiled, traced, baked) if baked else compiled
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if self.mesh is not None:
             return self._parallel(gm, example_inputs)
         lowered = lower_graph(gm, example_inputs, self.options)

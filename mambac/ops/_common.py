@@ -412,10 +412,13 @@ def _install_dispatch(op: Any, name: str) -> None:
     op.register_kernel(KERNEL_DEVICES)(dispatch)
 
 
-def check(cond: bool, op: str, message: str) -> None:
-    """Raise a MambacInputError naming the op when ``cond`` is false."""
+def check(cond: bool, op: str, message: str | Callable[[], str]) -> None:
+    """Raise a MambacInputError naming the op when ``cond`` is false.  ``message`` may be a
+    function that builds it: then it is formatted only on failure, which keeps a symbolic number
+    (a float or int that ``torch.compile(dynamic=True)`` does not specialise) out of an f-string
+    that dynamo cannot trace."""
     if not cond:
-        raise MambacInputError(f"mambac.ops.{op}: {message}")
+        raise MambacInputError(f"mambac.ops.{op}: {message() if callable(message) else message}")
 
 
 def check_float(op: str, **tensors: torch.Tensor | None) -> None:

@@ -168,10 +168,10 @@ def validate(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional
     check_shape(OP, "z", z, (b, l, h, p))
     check_shape(OP, "dt_bias", dt_bias, (h,))
     check_shape(OP, "initial_state", initial_state, (b, h, p, n))
-    check(isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0, OP,
-          f"chunk_size must be a positive int, got {chunk_size!r}.")
+    check(isinstance(chunk_size, (int, torch.SymInt)) and not isinstance(chunk_size, bool) and chunk_size > 0, OP,
+          lambda: f"chunk_size must be a positive int, got {chunk_size!r}.")
     check(len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1], OP,
-          f"dt_limit must be a (min, max) pair with min <= max, got {dt_limit!r}.")
+          lambda: f"dt_limit must be a (min, max) pair with min <= max, got {dt_limit!r}.")
 
 
 def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int = 256,
