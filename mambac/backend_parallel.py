@@ -137,7 +137,8 @@ def whole_forward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Wh
     for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(ex, torch.nn.Parameter) and id(ex) in params:
             param_slots[id(ex)] = i
-        elif isinstance(ex, torch.Tensor) and not _source_name(node).startswith("L[") and id(ex) not in buffers:
+        elif (isinstance(ex, torch.Tensor) and node.users   # (a number baked by backend_scalars: no reads left)
+              and not _source_name(node).startswith("L[") and id(ex) not in buffers):
             raise MambacOptionsError(f"graph input '{node.name}' ({_source_name(node) or 'no source'}) is neither "
                                      f"an argument of {type(model).__name__}.forward nor one of its parameters; on "
                                      "several ranks the mambac backend lowers the model's forward alone.")

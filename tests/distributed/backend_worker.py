@@ -32,11 +32,13 @@ WORLD2 = {
     "tp2_sp_mamba2_groups": ("mamba2", dict(n_layer=1, ssm_cfg=M2_GROUPS), dict(tp=2, sequence_parallel=True), (8,)),
     "cp2_mamba2": ("mamba2", dict(n_layer=1), dict(cp=2), (9, 12, 7)),
     "tp2_mamba3_remat": ("mamba2", dict(n_layer=1, ssm_cfg=M3), dict(tp=2, remat="full"), (8,)),
+    "tp2_mamba2_dynamic": ("mamba2", dict(n_layer=1), dict(tp=2), (9, 12)),
 }
 WORLD4 = {
     "tp2xcp2_mamba2_groups": ("mamba2", dict(n_layer=1, ssm_cfg=M2_GROUPS), dict(tp=2, cp=2), (9,)),
 }
 BY_NAME = ("cp2_mamba2",)  # compiled as backend="mambac", options={...} (the others with MambacBackend)
+DYNAMIC = ("tp2_mamba2_dynamic",)  # torch.compile(..., dynamic=True): floats such as dt_limit become inputs
 
 
 def batch(seqlen: int, b: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +62,7 @@ def check(name: str, variant: str, over: dict, opts: dict, lengths: tuple[int, .
     eager = copy.deepcopy(model)
     backend = "mambac" if name in BY_NAME else MambacBackend(world_size=world, **opts)
     options = dict(world_size=world, **opts) if name in BY_NAME else None
-    compiled = torch.compile(model, backend=backend, options=options)
+    compiled = torch.compile(model, backend=backend, options=options, dynamic=True if name in DYNAMIC else None)
     out = {"logits": 0.0, "loss": 0.0, "grad": 0.0, "worst_grad": ""}
     for L in lengths:
         ids, labels = batch(L)
@@ -80,6 +82,7 @@ def check(name: str, variant: str, over: dict, opts: dict, lengths: tuple[int, .
     ids, labels = batch(lengths[0])
     out["after_step"] = rel_err(compiled(ids, labels), eager(ids, labels))
     out["graphs"] = counters["mambac"]["graphs"]
+    out["replicated"] = counters["mambac"]["graphs.replicated"]
     if name not in BY_NAME:  # this rank's program holds its shards: local in_proj rows
         program = backend.graphs[-1].gm
         full = model.get_parameter("backbone.layers.0.mixer.in_proj.weight").shape[0]
