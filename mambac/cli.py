@@ -28,6 +28,7 @@ import torch
 from mambac.errors import MambacError, MambacInputError
 from mambac.knobs import knobs
 from mambac.sizes import parse_bytes
+from mambac.cli_types import count, index, seconds
 
 
 def load_model(spec: str) -> torch.nn.Module:
@@ -198,25 +199,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(root / f"bench_{args.name}.py"), *args.args])
 
 
-def _checked(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
-    """An argparse type: ``convert`` the text (else "expected ``what``"), then require ``ok``
-    (else ``rule``), so that a bad count or rank stops at the parser with the option's name."""
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
-        return value
-    return parse
-
-
-_count = _checked(int, "a positive integer", lambda v: v >= 1, "must be a positive integer")   # ranks, batch, length
-_index = _checked(int, "a non-negative integer", lambda v: v >= 0, "must not be negative")     # a rank, restarts
-_seconds = _checked(float, "a number of seconds", lambda v: v > 0, "must be a positive number of seconds")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mambac", description="mambac: a compiler for Mamba-family models.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -225,46 +207,46 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--list", action="store_true", help="list the built-in presets")
     d.add_argument("--stage", default="", help="pass name, or 'all' (default: the last pass)")
     d.add_argument("--format", choices=("text", "dot", "svg"), default="text")
-    d.add_argument("--world-size", type=_count, default=1, help="lower the program of every rank of W")
-    d.add_argument("--rank", type=_index, default=0, help="which rank's program to print")
-    d.add_argument("--tp", type=_count, default=None)
-    d.add_argument("--dp", type=_count, default=1)
-    d.add_argument("--cp", type=_count, default=1, help="context-parallel ranks (the sequence split)")
+    d.add_argument("--world-size", type=count, default=1, help="lower the program of every rank of W")
+    d.add_argument("--rank", type=index, default=0, help="which rank's program to print")
+    d.add_argument("--tp", type=count, default=None)
+    d.add_argument("--dp", type=count, default=1)
+    d.add_argument("--cp", type=count, default=1, help="context-parallel ranks (the sequence split)")
     d.add_argument("--sequence-parallel", action="store_true")
-    d.add_argument("--batch", type=_count, default=2)
-    d.add_argument("--seqlen", type=_count, default=64)
+    d.add_argument("--batch", type=count, default=2)
+    d.add_argument("--seqlen", type=count, default=64)
     d.add_argument("-o", "--output", default="", help="file (with --kernels: a directory)")
     d.add_argument("--kernels", action="store_true", help="print the generated Triton kernels the program uses")
     _remat_arguments(d)
     d.set_defaults(fn=cmd_dump)
     e = sub.add_parser("explain", help="per rank: parameters, activation memory, communication, kernels")
     e.add_argument("model", help="preset name, file.py:factory, or checkpoint directory")
-    e.add_argument("--world-size", type=_count, default=1)
-    e.add_argument("--rank", type=_index, default=None, help="only this rank (default: all)")
-    e.add_argument("--tp", type=_count, default=None)
-    e.add_argument("--dp", type=_count, default=1)
-    e.add_argument("--cp", type=_count, default=1, help="context-parallel ranks (the sequence split)")
+    e.add_argument("--world-size", type=count, default=1)
+    e.add_argument("--rank", type=index, default=None, help="only this rank (default: all)")
+    e.add_argument("--tp", type=count, default=None)
+    e.add_argument("--dp", type=count, default=1)
+    e.add_argument("--cp", type=count, default=1, help="context-parallel ranks (the sequence split)")
     e.add_argument("--sequence-parallel", action="store_true")
     _remat_arguments(e)
-    e.add_argument("--batch", type=_count, default=2)
-    e.add_argument("--seqlen", type=_count, default=64)
+    e.add_argument("--batch", type=count, default=2)
+    e.add_argument("--seqlen", type=count, default=64)
     e.set_defaults(fn=cmd_explain)
     r = sub.add_parser("run", help="launch W ranks of a script through torch.distributed.run")
-    r.add_argument("-n", "--nprocs", type=_count, required=True)
-    r.add_argument("--timeout", type=_seconds, default=None, help="stop every rank after this many seconds")
-    r.add_argument("--max-restarts", type=_index, default=0,
+    r.add_argument("-n", "--nprocs", type=count, required=True)
+    r.add_argument("--timeout", type=seconds, default=None, help="stop every rank after this many seconds")
+    r.add_argument("--max-restarts", type=index, default=0,
                    help="when a rank fails, restart every rank up to this many times")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("plan", help="rank parallel layouts (tp, cp, dp, sp, remat) by predicted step time")
     p.add_argument("model", help="preset name, file.py:factory, or checkpoint directory")
-    p.add_argument("--world-size", type=_count, default=1)
+    p.add_argument("--world-size", type=count, default=1)
     p.add_argument("--device-memory", default=None, help="bytes per device, e.g. 80GiB (default: the device's)")
     p.add_argument("--device", choices=("h200", "cpu"), default="h200")
-    p.add_argument("--batch", type=_count, default=8)
-    p.add_argument("--seqlen", type=_count, default=2048)
-    p.add_argument("--top", type=_count, default=10, help="how many feasible layouts to print")
+    p.add_argument("--batch", type=count, default=8)
+    p.add_argument("--seqlen", type=count, default=2048)
+    p.add_argument("--top", type=count, default=10, help="how many feasible layouts to print")
     p.set_defaults(fn=cmd_plan)
     b = sub.add_parser("bench", help="run a benchmark script of benchmarks/ (tables of speed and memory)")
     b.add_argument("name", nargs="?", help="benchmark name (none: list them), e.g. ssd, cp, remat, train")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import mambac
+from mambac.cli_types import count, rate, seconds
 from mambac.models import MambaConfig, MambaLMHeadModel
 from mambac.tasks import TASK_VOCAB, accuracy, mixed_batch
 
@@ -127,15 +128,15 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="mambac demo", description=__doc__)
-    ap.add_argument("--steps", type=int, default=250)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=count, default=250)
+    ap.add_argument("--batch", type=count, default=64)
+    ap.add_argument("--lr", type=rate, default=3e-3)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="auto (default): cuda with NCCL where there is a GPU for every rank, else cpu with gloo")
-    ap.add_argument("--world-size", type=int, default=4, help="ranks (1: no process group)")
-    ap.add_argument("--cp", type=int, default=None,
+    ap.add_argument("--world-size", type=count, default=4, help="ranks (1: no process group)")
+    ap.add_argument("--cp", type=count, default=None,
                     help="context-parallel ranks (default: 2 when world_size is even, else 1); tp = world_size / cp")
-    ap.add_argument("--timeout", type=float, default=1800, help="stop every rank after this many seconds")
+    ap.add_argument("--timeout", type=seconds, default=1800, help="stop every rank after this many seconds")
     ap.add_argument("--graph-out", default="mambac_demo_graph.txt", help="file the lowered graph is written to")
     args = ap.parse_args(argv)
     args.device = pick_device(args.device, args.world_size)

@@ -170,6 +170,9 @@ def test_mambac_logs_sets_up_logging_on_import():
     (["plan", "mamba2-tiny", "--top", "0"], "argument --top: must be a positive integer"),
     (["run", "-n", "2", "--timeout", "-1", "x.py"], "argument --timeout: must be a positive number of seconds"),
     (["run", "-n", "2", "--max-restarts", "-1", "x.py"], "argument --max-restarts: must not be negative"),
+    (["demo", "--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+    (["demo", "--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    (["demo", "--world-size", "0"], "argument --world-size: must be a positive integer"),
 ])
 def test_counts_sizes_and_ranks_are_checked_as_they_are_parsed(argv, message, capsys):
     """Sizes, counts and ranks that cannot be (zero or negative lengths, a negative rank) stop at
