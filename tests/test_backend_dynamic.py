@@ -14,14 +14,7 @@ from mambac.backend import MambacBackend
 from mambac.backend_scalars import bake, guard_scalars
 from tests.helpers import rel_err
 from tests.models.tiny import tiny_lm
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+from tests.test_backend import _fresh_dynamo  # noqa: F401  (autouse: a fresh dynamo and counters per test)
 
 
 def _grads(model, loss) -> list[torch.Tensor]:
