@@ -112,11 +112,18 @@ def recognise_mixers(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, st
     stats = ctx.stats_for("backend")
     stats.add("mixers.lowered", len(lowered))
     stats.add("mixers.not_lowered", len(found) - len(lowered))
-    foreign = sorted({found[p] for p in found if p not in lowered})
+    missed = [p for p in found if p not in lowered]
+    foreign = sorted({found[p] for p in missed if found[p] in FOREIGN_MIXERS})
+    own = [p for p in missed if found[p] in MAMBAC_MIXERS]
     if foreign:
         log.warning("mambac backend: %d mixer(s) of %s run as their own PyTorch code (nothing to fuse); "
-                    "compile mambac.convert.convert(model) to lower them.", len(found) - len(lowered),
-                    ", ".join(foreign))
+                    "compile mambac.convert.convert(model) to lower them.",
+                    sum(found[p] in FOREIGN_MIXERS for p in missed), ", ".join(foreign))
+    if own:
+        log.warning("mambac backend: %d mambac mixer(s) (%s) run unfused: their ops are not in this graph but in a "
+                    "sub-graph dynamo made (a torch.utils.checkpoint region) or past a graph break, where the passes "
+                    "do not reach. For recompute use mambac's remat='full' or 'auto' (torch.compile(..., "
+                    "options={'remat': 'full'})) instead of torch.utils.checkpoint.", len(own), ", ".join(own[:4]))
     return found
 
 

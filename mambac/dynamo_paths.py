@@ -11,10 +11,12 @@ from typing import Any
 
 
 def dotted(path: str) -> str:
-    """Dynamo's module path (``L['self'].layers[0].mixer``) as a dotted name (``layers.0.mixer``)."""
+    """Dynamo's module path (``L['self'].layers[0].mixer``) as a dotted name (``layers.0.mixer``),
+    without the ``__dict__['_modules']`` steps some paths take."""
     path = re.sub(r"^L\['[^']*'\]\.?", "", path)
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
-    return path.strip(".")
+    # some sources reach a child through the module's internals: L['self'].__dict__['_modules']['mix'][0]
+    return ".".join(part for part in path.split(".") if part and part not in ("__dict__", "_modules"))
 
 
 def qualname(cls: Any) -> str:
