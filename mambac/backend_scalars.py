@@ -53,9 +53,21 @@ def bake_scalars(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> lis
                 _put_constant(cast, _CASTS[cast.target](value))
             _put_constant(read, value)
         baked.append((index, value))
-    if baked:
+    folded = _fold_constant_casts(gm)
+    if baked or folded:
         gm.recompile()
     return baked
+
+
+def _fold_constant_casts(gm: torch.fx.GraphModule) -> int:
+    """``torch.sym_float(1e-05)``: a cast of a plain number (what stays of a float dynamo
+    specialised after reading it, on torch 2.11) becomes that number; returns how many."""
+    casts = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CASTS
+             and len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], (int, float))
+             and not isinstance(n.args[0], bool)]
+    for cast in casts:
+        _put_constant(cast, _CASTS[cast.target](cast.args[0]))
+    return len(casts)
 
 
 def guard_scalars(compiled: Callable, traced: torch.fx.GraphModule, baked: list[tuple[int, Any]]) -> Callable:
@@ -80,6 +92,8 @@ def bake(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[
     """``bake_scalars`` with the untouched graph kept for ``guard_scalars`` (None if nothing was baked)."""
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(holders) != len(example_inputs) or not any(_plain_number_tensor(e) for e in example_inputs):
+        if _fold_constant_casts(gm):
+            gm.recompile()
         return [], None
     traced = copy.deepcopy(gm)
     baked = bake_scalars(gm, example_inputs)

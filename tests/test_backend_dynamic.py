@@ -89,6 +89,18 @@ def test_baked_numbers_are_guarded_on_every_call(boxed):
     assert run._boxed_call is boxed
 
 
+def test_casts_of_plain_numbers_are_folded():
+    """torch 2.11 leaves ``torch.sym_float(1e-05)`` where it specialised a float it had read."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(torch.mul, (x, g.call_function(torch.sym_float, (2,)))),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert bake(gm, [torch.randn(3)]) == ([], None)
+    mul = next(n for n in gm.graph.nodes if n.target is torch.mul)
+    assert mul.args[1] == 2.0 and isinstance(mul.args[1], float)
+    assert not any(n.target is torch.sym_float for n in gm.graph.nodes)
+
+
 def test_inputs_read_other_ways_are_not_baked():
     g = torch.fx.Graph()
     x, s = g.placeholder("x"), g.placeholder("s")
