@@ -109,6 +109,22 @@ class MambaLMHeadModel(nn.Module):
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
+    def save_pretrained(self, save_directory) -> None:
+        """Write ``config.json`` and ``pytorch_model.bin`` as mamba_ssm's ``save_pretrained`` does
+        (readable by mamba_ssm, ``mambac.from_pretrained`` and ``from_pretrained`` here;
+        ``mambac/models/lm_io.py``)."""
+        from mambac.models.lm_io import save_pretrained
+        save_pretrained(self, save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name, device=None, dtype=None, **kwargs) -> "MambaLMHeadModel":
+        """mamba_ssm's ``MambaLMHeadModel.from_pretrained`` for a local directory (mamba_ssm's or a
+        Hugging Face Mamba/Mamba2 layout); nothing is downloaded."""
+        if kwargs:
+            raise MambacInputError(f"from_pretrained takes (path, device=None, dtype=None); got {sorted(kwargs)}.")
+        from mambac.models.lm_io import from_pretrained
+        return from_pretrained(cls, pretrained_model_name, device=device, dtype=dtype)
+
     def example_inputs(self, batch: int = 2, seqlen: int = 16, device=None) -> tuple[torch.Tensor]:
         """Random token ids of the given size (used to capture shapes when none are given), on the
         model's device unless ``device`` says otherwise."""
