@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from mambac.backend_foreign import swap_foreign_mixers
+from mambac.backend_foreign import swap_foreign_mixers, warn_if_gradient_checkpointing
 from mambac.backend_scalars import bake, guard_scalars
 from mambac.dynamo_paths import dotted, qualname
 from mambac.capture import propagate_shapes
@@ -93,38 +93,64 @@ def annotate_sources(gm: torch.fx.GraphModule) -> None:
             node.meta[SOURCE] = SourceInfo(module_path=path, module_type=cls.rsplit(".", 1)[-1])
 
 
+def _nodes_and_regions(gm: torch.fx.GraphModule, inside: bool = False):
+    """(node, inside a sub-graph) for ``gm``'s nodes and those of the graphs it holds (the bodies
+    of dynamo's higher-order ops, e.g. a ``torch.utils.checkpoint`` region), depth first."""
+    for node in gm.graph.nodes:
+        yield node, inside
+        if node.op == "get_attr":
+            sub = getattr(gm, str(node.target), None)
+            if isinstance(sub, torch.fx.GraphModule):
+                yield from _nodes_and_regions(sub, True)
+
+
 def recognise_mixers(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, str]:
     """Find the Mamba mixers in ``gm`` by their module class and say which are lowered.
 
-    A mixer is lowered when its nodes include mambac ops: mambac's own mixers, and transformers'
-    mixers that ``swap_foreign_mixers`` replaced by mambac's (``mambac.backend_foreign``); any
-    other (mamba_ssm's, an HF mixer it could not replace) runs as its own PyTorch code.  Returns path → class name; counts
-    ``mixers.lowered`` / ``mixers.not_lowered`` in ``ctx.stats['backend']``.
+    A mixer is lowered when its nodes include mambac ops in ``gm`` itself: mambac's own mixers,
+    and transformers' mixers that ``swap_foreign_mixers`` replaced by mambac's
+    (``mambac.backend_foreign``); any other (mamba_ssm's, an HF mixer it could not replace, one
+    inside a ``torch.utils.checkpoint`` region, whose sub-graph the passes do not enter) runs
+    unfused.  Returns path → class name; counts ``mixers.lowered`` / ``mixers.not_lowered`` in
+    ``ctx.stats['backend']`` and logs what was missed with what to do.
     """
     found: dict[str, str] = {}
     lowered: set[str] = set()
-    for node in gm.graph.nodes:
+    regions: set[str] = set()
+    for node, inside in _nodes_and_regions(gm):
         for path, cls in _stack(node):
             if cls in FOREIGN_MIXERS or cls in MAMBAC_MIXERS:
                 found[path] = cls
-                if node.op == "call_function" and info_for_target(node.target) is not None:
+                if inside:
+                    regions.add(path)
+                elif node.op == "call_function" and info_for_target(node.target) is not None:
                     lowered.add(path)
     stats = ctx.stats_for("backend")
     stats.add("mixers.lowered", len(lowered))
     stats.add("mixers.not_lowered", len(found) - len(lowered))
-    missed = [p for p in found if p not in lowered]
-    foreign = sorted({found[p] for p in missed if found[p] in FOREIGN_MIXERS})
-    own = [p for p in missed if found[p] in MAMBAC_MIXERS]
+    _say_what_was_missed(found, [p for p in found if p not in lowered], regions)
+    return found
+
+
+def _say_what_was_missed(found: dict[str, str], missed: list[str], regions: set[str]) -> None:
+    boxed = [p for p in missed if p in regions]
+    foreign = sorted({found[p] for p in missed if p not in regions and found[p] in FOREIGN_MIXERS})
+    own = [p for p in missed if p not in regions and found[p] in MAMBAC_MIXERS]
+    if boxed:
+        hf = " (transformers' mixers as their own PyTorch code)" if any(found[p] in FOREIGN_MIXERS for p in boxed) else ""
+        log.warning("mambac backend: %d mixer(s) (%s) sit inside torch.utils.checkpoint regions (gradient "
+                    "checkpointing), which dynamo hands over as sub-graphs the passes do not enter: they run unfused%s. "
+                    "Turn that checkpointing off (transformers: model.gradient_checkpointing_disable()) and pass "
+                    "options={'remat': 'full'} (or 'auto') for the same recompute, fused.",
+                    len(boxed), ", ".join(boxed[:4]) + (", ..." if len(boxed) > 4 else ""), hf)
     if foreign:
         log.warning("mambac backend: %d mixer(s) of %s run as their own PyTorch code (nothing to fuse); "
                     "compile mambac.convert.convert(model) to lower them.",
-                    sum(found[p] in FOREIGN_MIXERS for p in missed), ", ".join(foreign))
+                    sum(p not in regions and found[p] in FOREIGN_MIXERS for p in missed), ", ".join(foreign))
     if own:
-        log.warning("mambac backend: %d mambac mixer(s) (%s) run unfused: their ops are not in this graph but in a "
-                    "sub-graph dynamo made (a torch.utils.checkpoint region) or past a graph break, where the passes "
-                    "do not reach. For recompute use mambac's remat='full' or 'auto' (torch.compile(..., "
-                    "options={'remat': 'full'})) instead of torch.utils.checkpoint.", len(own), ", ".join(own[:4]))
-    return found
+        log.warning("mambac backend: %d mambac mixer(s) (%s) run unfused: their ops are not in this graph (a graph "
+                    "break splits them off), so the passes do not reach them. Remove the graph break "
+                    "(TORCH_LOGS=graph_breaks shows where).", len(own), ", ".join(own[:4]))
 
 
 # -- lowering --------------------------------------------------------------------------------------
@@ -196,6 +222,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     """Give ``gm``'s nodes fake values from ``example_inputs`` (real or fake tensors, ints or
     SymInts) and run the pass pipeline for ``options`` on it."""
     annotate_sources(gm)
+    warn_if_gradient_checkpointing()
     mode = _fake_mode_for(example_inputs)
     inputs = _dynamo_fakes(example_inputs, mode, gm)
     with _real_constants_allowed(mode):

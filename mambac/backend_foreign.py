@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -275,6 +276,26 @@ def _swap_one(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: R
     # parameter of the GraphModule to be one of dynamo's.  get_attr / call_module still reach it.
     gm.__dict__[name] = conv.model
     _inline(gm, captured, name, region, params, dict(conv.key_map), hidden, out)
+
+
+_WARNED_CHECKPOINTING: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def warn_if_gradient_checkpointing() -> bool:
+    """Say once per model when the module dynamo compiles has transformers' gradient checkpointing
+    on: its wrapper breaks the graph around every layer, so no mixer reaches mambac (each runs
+    transformers' own PyTorch code, and nothing is fused).  Returns whether it is on."""
+    tx = _compiling_frame()
+    model = (getattr(tx, "f_locals", None) or {}).get("self")
+    if not isinstance(model, nn.Module) or not getattr(model, "is_gradient_checkpointing", False):
+        return False
+    if model not in _WARNED_CHECKPOINTING:
+        _WARNED_CHECKPOINTING.add(model)
+        log.warning("mambac backend: %s has gradient checkpointing on; transformers' checkpoint wrapper breaks "
+                    "dynamo's graph around every layer, so its mixers run transformers' own PyTorch code, unfused. "
+                    "Call model.gradient_checkpointing_disable() and pass options={'remat': 'full'} (or 'auto') "
+                    "for the same recompute with mambac's kernels.", type(model).__name__)
+    return True
 
 
 def swap_foreign_mixers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:

@@ -107,29 +107,3 @@ def test_inputs_read_other_ways_are_not_baked():
     g.output((g.call_function(torch.mul, (x, s)),))   # the 0-d tensor used as a tensor
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     assert bake(gm, [torch.randn(3), torch.tensor(2.0)]) == ([], None)
-
-
-class _Checkpointed(torch.nn.Module):
-    """mambac mixers inside torch.utils.checkpoint: dynamo hands each region over as a sub-graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from mambac.models.mamba2 import Mamba2
-        torch.manual_seed(0)
-        self.mix = torch.nn.ModuleList([Mamba2(d_model=16, d_state=8, headdim=8, chunk_size=4) for _ in range(2)])
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        for layer in self.mix:
-            x = x + checkpoint(layer, x, use_reentrant=False)
-        return x
-
-
-def test_mixers_inside_checkpoint_regions_are_named_with_the_remat_hint(caplog):
-    model, x = _Checkpointed(), torch.randn(2, 9, 16)
-    with caplog.at_level("WARNING", logger="mambac"):
-        out = torch.compile(model, backend=MambacBackend())(x)
-    assert rel_err(out, model(x)) <= 1e-6
-    text = caplog.text
-    assert "2 mambac mixer(s) (mix.0, mix.1) run unfused" in text and "remat='full'" in text
-    assert "mambac.convert.convert" not in text   # that hint is for foreign mixers
