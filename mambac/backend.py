@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from mambac.backend_foreign import swap_foreign_mixers, warn_if_gradient_checkpointing
+from mambac.backend_regions import lower_regions
 from mambac.backend_scalars import bake, guard_scalars
 from mambac.dynamo_paths import dotted, qualname
 from mambac.capture import propagate_shapes
@@ -93,37 +94,39 @@ def annotate_sources(gm: torch.fx.GraphModule) -> None:
             node.meta[SOURCE] = SourceInfo(module_path=path, module_type=cls.rsplit(".", 1)[-1])
 
 
-def _nodes_and_regions(gm: torch.fx.GraphModule, inside: bool = False):
-    """(node, inside a sub-graph) for ``gm``'s nodes and those of the graphs it holds (the bodies
-    of dynamo's higher-order ops, e.g. a ``torch.utils.checkpoint`` region), depth first."""
+def _nodes_and_regions(gm: torch.fx.GraphModule, region: str | None = None):
+    """(node, the sub-graph it is in, or None) for ``gm``'s nodes and those of the graphs it holds
+    (the bodies of dynamo's higher-order ops, e.g. a ``torch.utils.checkpoint`` region), depth first."""
     for node in gm.graph.nodes:
-        yield node, inside
+        yield node, region
         if node.op == "get_attr":
             sub = getattr(gm, str(node.target), None)
             if isinstance(sub, torch.fx.GraphModule):
-                yield from _nodes_and_regions(sub, True)
+                yield from _nodes_and_regions(sub, region or str(node.target))
 
 
-def recognise_mixers(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, str]:
+def recognise_mixers(gm: torch.fx.GraphModule, ctx: PassContext,
+                     lowered_regions: frozenset[str] | set[str] = frozenset()) -> dict[str, str]:
     """Find the Mamba mixers in ``gm`` by their module class and say which are lowered.
 
     A mixer is lowered when its nodes include mambac ops in ``gm`` itself: mambac's own mixers,
     and transformers' mixers that ``swap_foreign_mixers`` replaced by mambac's
     (``mambac.backend_foreign``); any other (mamba_ssm's, an HF mixer it could not replace, one
-    inside a ``torch.utils.checkpoint`` region, whose sub-graph the passes do not enter) runs
-    unfused.  Returns path → class name; counts ``mixers.lowered`` / ``mixers.not_lowered`` in
+    inside a sub-graph not in ``lowered_regions``, e.g. a ``torch.utils.checkpoint`` body that
+    ``backend_regions`` could not lower) runs unfused.  Returns path → class name; counts ``mixers.lowered`` / ``mixers.not_lowered`` in
     ``ctx.stats['backend']`` and logs what was missed with what to do.
     """
     found: dict[str, str] = {}
     lowered: set[str] = set()
     regions: set[str] = set()
-    for node, inside in _nodes_and_regions(gm):
+    for node, region in _nodes_and_regions(gm):
         for path, cls in _stack(node):
             if cls in FOREIGN_MIXERS or cls in MAMBAC_MIXERS:
                 found[path] = cls
-                if inside:
+                if region is not None:
                     regions.add(path)
-                elif node.op == "call_function" and info_for_target(node.target) is not None:
+                if ((region is None or region in lowered_regions) and node.op == "call_function"
+                        and info_for_target(node.target) is not None):
                     lowered.add(path)
     stats = ctx.stats_for("backend")
     stats.add("mixers.lowered", len(lowered))
@@ -230,7 +233,8 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
         if options.world_size == 1 and swap_foreign_mixers(gm, example_inputs):
             propagate_shapes(gm, inputs, mode)  # the swapped-in mixers' nodes
     ctx = _context(options)
-    recognise_mixers(gm, ctx)  # before the passes: remat moves op nodes into sub-graphs
+    regions = lower_regions(gm, mode, ctx) if options.world_size == 1 else set()   # checkpoint bodies
+    recognise_mixers(gm, ctx, regions)  # before the passes: remat moves op nodes into sub-graphs
     gm = run_passes(gm, ctx, pipeline_for(options))
     _count(ctx)
     return LoweredGraph(gm=gm, ctx=ctx)
