@@ -262,7 +262,11 @@ def _setup_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _setup_logging()
+    try:
+        _setup_logging()   # reads the environment knobs: a bad one ends here in one line
+    except MambacError as exc:
+        print(f"mambac: error: {exc}", file=sys.stderr)
+        return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options
         from mambac import demo

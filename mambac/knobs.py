@@ -14,19 +14,51 @@ from pathlib import Path
 from typing import Iterator
 
 
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+
+
+def _bad(name: str, value: str, expected: str) -> Exception:
+    """The error for a knob set to something it cannot mean (a ``MambacOptionsError``, a ValueError)."""
+    from mambac.errors import MambacOptionsError
+    return MambacOptionsError(f"{name}={value!r}: expected {expected}. Fix or unset the environment variable.")
+
+
+def _flag_value(name: str, v: str) -> bool:
+    v = v.strip().lower()
+    if v in ON or v in OFF:
+        return v in ON
+    raise _bad(name, v, "1 or 0 (also true/false, yes/no, on/off)")
+
+
 def _flag(name: str, default: bool = False) -> bool:
     v = os.environ.get(name)
-    if v is None or v == "":
+    if v is None or v.strip() == "":
         return default
-    return v.strip().lower() not in ("0", "false", "no", "off")
+    return _flag_value(name, v)
+
+
+def _tristate(name: str, v: str | None) -> str:
+    """A knob of auto | 1 | 0 (the flag spellings allowed): "auto", "1" or "0"."""
+    v = (v or "").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v in ON or v in OFF:
+        return "1" if v in ON else "0"
+    raise _bad(name, v, "auto, 1 or 0 (also true/false, yes/no, on/off)")
 
 
 def _walk_choice(v: str | None) -> str:
     """MAMBAC_SSD_WALK: unset, empty or "auto" -> "auto"; otherwise a flag -> "1" or "0"."""
-    v = (v or "").strip().lower()
-    if v in ("", "auto"):
-        return "auto"
-    return "0" if v in ("0", "false", "no", "off") else "1"
+    return _tristate("MAMBAC_SSD_WALK", v)
+
+
+def _kernels_choice(v: str | None) -> str:
+    """MAMBAC_KERNELS: auto (the default) | triton | reference."""
+    v = (v or "").strip().lower() or "auto"
+    if v not in ("auto", "triton", "reference"):
+        raise _bad("MAMBAC_KERNELS", v, "auto, triton or reference")
+    return v
 
 
 def _chunk_choice(v: str | None) -> str:
@@ -37,7 +69,7 @@ def _chunk_choice(v: str | None) -> str:
         return v or "auto"
     if v.isdigit() and int(v) >= 16:
         return str(int(v))
-    raise ValueError(f"MAMBAC_SSD_CHUNK={v!r}: expected auto, model or a chunk length of at least 16 steps")
+    raise _bad("MAMBAC_SSD_CHUNK", v, "auto, model or a chunk length of at least 16 steps")
 
 
 def _segments_choice(v: str | None) -> str:
@@ -48,7 +80,7 @@ def _segments_choice(v: str | None) -> str:
         return "auto"
     if v.isdigit() and int(v) >= 1:
         return str(int(v))
-    raise ValueError(f"MAMBAC_SSD_SEGMENTS={v!r}: expected auto or a number of segments of at least 1")
+    raise _bad("MAMBAC_SSD_SEGMENTS", v, "auto or a number of segments of at least 1")
 
 
 def _default_cache_dir() -> str:
@@ -83,8 +115,8 @@ def _from_env() -> Knobs:
         disable_passes=disabled,
         cache_dir=os.environ.get("MAMBAC_CACHE_DIR") or _default_cache_dir(),
         logs=os.environ.get("MAMBAC_LOGS") or None,
-        kernels=(os.environ.get("MAMBAC_KERNELS") or "auto").strip().lower(),
-        progress=(os.environ.get("MAMBAC_PROGRESS") or "auto").strip().lower(),
+        kernels=_kernels_choice(os.environ.get("MAMBAC_KERNELS")),
+        progress=_tristate("MAMBAC_PROGRESS", os.environ.get("MAMBAC_PROGRESS")),
         direct_launch=_flag("MAMBAC_DIRECT_LAUNCH", default=True),
         ssd_streams=_flag("MAMBAC_SSD_STREAMS", default=True),
         tma=_flag("MAMBAC_TMA", default=True),
