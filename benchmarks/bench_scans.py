@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import types
 from functools import partial
@@ -94,6 +95,10 @@ def time_one(name, args, op_forward):
 def main(cmds):
     """``check`` / ``time`` followed by the ops (ss, m3, mimo) and dtypes (fp32, bf16; checks) to
     run; default all."""
+    if DEV != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("bench_scans measures the scan kernels on a CUDA GPU, and this machine has none. On a CPU, "
+                         "TRITON_INTERPRET=1 runs them in Triton's interpreter (slowly); the CPU checks are the "
+                         "test suite's (tests/codegen).")
     ops = [c for c in cmds if c in ("ss", "m3", "mimo")] or ["ss", "m3", "mimo"]
     dtypes = [d for name, d in (("fp32", torch.float32), ("bf16", torch.bfloat16)) if name in cmds] or [
         torch.float32, torch.bfloat16]

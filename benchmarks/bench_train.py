@@ -157,6 +157,10 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
+    import torch
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("bench_train times the 130M LM at 8 x 2048 on a CUDA GPU, and this machine has none; "
+                         "--tiny runs a tiny LM on the CPU (checks the script).")
     rows = []
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory(prefix="mambac-bench-") as tmp:

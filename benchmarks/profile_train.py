@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="group kernel time by the chain of ops that launched it (with input shapes)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
+    if not cuda and not args.tiny:
+        raise SystemExit("profile_train profiles the 130M LM's step on a CUDA GPU, and this machine has none; "
+                         "--tiny profiles a tiny LM on the CPU.")
     device = "cuda" if cuda else "cpu"
     name = "mamba2-tiny" if args.tiny else "mamba2-130m"
     batch, seqlen = (2, 64) if args.tiny else (args.batch, args.seqlen)
