@@ -87,6 +87,9 @@ def main(trace_backward: bool, variants: tuple[str, ...] = VARIANTS) -> None:
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("check_backend_cuda runs the backend on a CUDA GPU, and this machine has none; the CPU "
+                         "checks of the backend are the test suite's (tests/test_backend*.py).")
     args = sys.argv[1:]
     flag = args.pop(0) if args and args[0] in ("0", "1") else "1"
     if "--guards" in args:
