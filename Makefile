@@ -19,7 +19,7 @@ demo: $(STAMP)
 # Tests that run in one process (generated kernels under the Triton interpreter, ops, passes,
 # conversion, the torch.compile backend) run on two pytest workers; the tests that launch ranks,
 # which already keep both cores busy, run after them in one.
-ONE_PROCESS_TESTS := tests/codegen tests/ops tests/passes tests/convert tests/models tests/test_backend.py
+ONE_PROCESS_TESTS := tests/codegen tests/ops tests/passes tests/convert tests/models $(wildcard tests/test_backend*.py)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 $(ONE_PROCESS_TESTS)
