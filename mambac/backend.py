@@ -113,8 +113,9 @@ def recognise_mixers(gm: torch.fx.GraphModule, ctx: PassContext,
     and transformers' mixers that ``swap_foreign_mixers`` replaced by mambac's
     (``mambac.backend_foreign``); any other (mamba_ssm's, an HF mixer it could not replace, one
     inside a sub-graph not in ``lowered_regions``, e.g. a ``torch.utils.checkpoint`` body that
-    ``backend_regions`` could not lower) runs unfused.  Returns path → class name; counts ``mixers.lowered`` / ``mixers.not_lowered`` in
-    ``ctx.stats['backend']`` and logs what was missed with what to do.
+    ``backend_regions`` could not lower) runs unfused.  Returns path → class name; counts
+    ``mixers.lowered`` / ``mixers.not_lowered`` in ``ctx.stats['backend']`` and logs what was
+    missed with what to do.
     """
     found: dict[str, str] = {}
     lowered: set[str] = set()
@@ -142,9 +143,9 @@ def _say_what_was_missed(found: dict[str, str], missed: list[str], regions: set[
     if boxed:
         hf = " (transformers' mixers as their own PyTorch code)" if any(found[p] in FOREIGN_MIXERS for p in boxed) else ""
         log.warning("mambac backend: %d mixer(s) (%s) sit inside torch.utils.checkpoint regions (gradient "
-                    "checkpointing), which dynamo hands over as sub-graphs the passes do not enter: they run unfused%s. "
-                    "Turn that checkpointing off (transformers: model.gradient_checkpointing_disable()) and pass "
-                    "options={'remat': 'full'} (or 'auto') for the same recompute, fused.",
+                    "checkpointing) whose sub-graphs were not lowered: they run unfused%s. Turn that checkpointing "
+                    "off (transformers: model.gradient_checkpointing_disable()) and pass options={'remat': 'full'} "
+                    "(or 'auto') for the same recompute, fused.",
                     len(boxed), ", ".join(boxed[:4]) + (", ..." if len(boxed) > 4 else ""), hf)
     if foreign:
         log.warning("mambac backend: %d mixer(s) of %s run as their own PyTorch code (nothing to fuse); "
