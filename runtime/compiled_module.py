@@ -134,8 +134,9 @@ class CompiledModule(torch.nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         """What the compiled module does not have itself (a user model's helper methods and
-        fields; a converted model's, then the Hugging Face or mamba_ssm model's it was converted
-        from, such as ``generate``) is the model's own, as with ``torch.compile``: on one rank
+        fields; for a converted model, the Hugging Face or mamba_ssm model's it was converted
+        from first, such as ``generate``, ``config`` or ``save_pretrained`` in that library's
+        format, then the converted model's) is the model's own, as with ``torch.compile``: on one rank
         they all share their parameters, and such methods run the model's own code, not the
         lowered programs.  On several ranks the model holds unsharded parameters this rank does
         not train, so its methods and modules are refused with a message instead of reading stale
@@ -147,7 +148,7 @@ class CompiledModule(torch.nn.Module):
         d = self.__dict__
         if name.startswith("__") or "_mambac_model" not in d:   # copy / pickle probes, a half-built module
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-        owners = [m for m in (d["_mambac_model"], d["_mambac_source"]) if m is not None]
+        owners = [m for m in (d["_mambac_source"], d["_mambac_model"]) if m is not None]   # the model passed in first
         owner = next((m for m in owners if hasattr(m, name)), None)
         names = " nor ".join(type(m).__name__ for m in owners)
         if owner is None:

@@ -102,8 +102,9 @@ def test_compiled_hf_model_generates_with_the_trained_weights(name, tmp_path):
     assert torch.equal(type(model).from_pretrained(tmp_path).generate(ids, **kw), model.generate(ids, **kw))
     copied = copy.deepcopy(compiled)   # the copy keeps its own copy of the HF model
     assert torch.equal(copied.generate(ids, **kw), model.generate(ids, **kw))
-    assert compiled.config is compiled.original_module.config   # the converted model's own attributes first
-    with pytest.raises(AttributeError, match=f"MambaLMHeadModel nor {type(model).__name__}"):
+    assert compiled.config is model.config   # the attributes of the model passed in first, then the converted one's
+    assert compiled.example_inputs == compiled.original_module.example_inputs   # (HF's model has none)
+    with pytest.raises(AttributeError, match=f"{type(model).__name__} nor MambaLMHeadModel"):
         compiled.no_such_attribute
     with pytest.raises(MambacInputError, match=f"converted from {type(model).__name__}: arguments .*use_cache"):
         compiled(ids, use_cache=False)   # an HF-only argument: the message says what the compiled forward takes
