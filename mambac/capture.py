@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -100,19 +100,62 @@ def trace(model: torch.nn.Module, n_inputs: int, kwargs: dict | None = None) -> 
     return trace_with(model, _concrete_args(model, n_inputs, kwargs or {}))
 
 
+CHECKPOINT_CALLS = "mambac_checkpoint_calls"   # gm.meta: torch.utils.checkpoint calls traced through
+
+
+class _CheckpointStandIn:
+    """``CheckpointFunction`` while tracing: ``apply(fn, preserve_rng, *args)`` calls ``fn``."""
+
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def apply(self, function, preserve_rng_state, *args):
+        self.seen.append(function)
+        return function(*args)
+
+
+@contextlib.contextmanager
+def _checkpoints_traced_through(seen: list) -> Iterator[None]:
+    """While tracing, ``torch.utils.checkpoint.checkpoint`` (both of its forms) runs the checkpointed
+    function as it is, so fx records its ops, and each call is counted in ``seen``: the recompute
+    it asks for is mambac's ``remat`` option's to give (``lowering.lower`` says so)."""
+    import torch.utils.checkpoint as ckpt
+    names = ("_checkpoint_without_reentrant_generator", "CheckpointFunction")
+    saved = {n: getattr(ckpt, n, None) for n in names}
+    if any(v is None for v in saved.values()):   # another torch's internals: trace as before
+        yield
+        return
+
+    def plain(function, *args, **kwargs):
+        seen.append(function)
+        yield
+
+    ckpt._checkpoint_without_reentrant_generator = plain
+    ckpt.CheckpointFunction = _CheckpointStandIn(seen)
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(ckpt, n, v)
+
+
 def trace_with(model: torch.nn.Module, concrete: dict) -> torch.fx.GraphModule:
     """Symbolically trace ``model`` with the parameters in ``concrete`` fixed to those values."""
     if not isinstance(model, torch.nn.Module):
         raise MambacCaptureError(f"mambac captures torch.nn.Module instances, got {type(model).__name__}.")
     tracer = _Tracer()
+    checkpoints: list = []
     try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
+        with _checkpoints_traced_through(checkpoints):
+            graph = tracer.trace(model, concrete_args=concrete or None)
     except MambacCaptureError:
         raise
     except Exception as exc:  # fx raises many types; all become one clear error
         raise _explain(exc, tracer.failed_at or ("", type(model).__name__)) from exc
     _drop_specialisation_asserts(graph)
-    return torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__ + "Graph")
+    gm = torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__ + "Graph")
+    gm.meta[CHECKPOINT_CALLS] = len(checkpoints)
+    return gm
 
 
 def _drop_specialisation_asserts(graph: torch.fx.Graph) -> None:

@@ -11,6 +11,7 @@ per whole length (the halo and the pieces' sizes depend on it).
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -111,6 +112,7 @@ def lower(model: torch.nn.Module, values: Sequence[Any], options: CompileOptions
     names = list(inspect.signature(model.forward).parameters)
     concrete = {n: None for n, v in zip(names, values) if v is None}
     gm = capture_mod.trace_with(model, concrete)
+    _say_checkpoints_are_traced_through(gm, options)
     capture_mod.propagate_shapes(gm, list(values))
     if setup is not None:
         gm.meta[PLAN], gm.meta[MESH] = setup.plan, setup.mesh
@@ -119,6 +121,18 @@ def lower(model: torch.nn.Module, values: Sequence[Any], options: CompileOptions
     ctx = make_context(options, rank)
     gm = run_passes(gm, ctx, pipeline_for(options))
     return Lowered(gm=gm, ctx=ctx, signature=signature_of(values))
+
+
+def _say_checkpoints_are_traced_through(gm: torch.fx.GraphModule, options: CompileOptions) -> None:
+    """A model that calls ``torch.utils.checkpoint`` without ``remat``: its calls were traced as
+    plain calls, so nothing would be recomputed; say so, with the options that recompute."""
+    calls = gm.meta.get(capture_mod.CHECKPOINT_CALLS, 0)
+    if calls and options.remat == "none":
+        warnings.warn(
+            f"mambac: the model calls torch.utils.checkpoint ({calls} call(s) in one forward); mambac.compile "
+            "traces through them, so they recompute nothing and their activations are kept. Pass remat='full' "
+            "(every block recomputed in backward) or remat='auto' with a memory_budget for mambac's own "
+            "recompute.", stacklevel=4)
 
 
 def _global_shapes(model: torch.nn.Module, concrete: dict, values: Sequence[Any]) -> dict[str, tuple]:
