@@ -100,7 +100,8 @@ def trace(model: torch.nn.Module, n_inputs: int, kwargs: dict | None = None) -> 
     return trace_with(model, _concrete_args(model, n_inputs, kwargs or {}))
 
 
-CHECKPOINT_CALLS = "mambac_checkpoint_calls"   # gm.meta: torch.utils.checkpoint calls traced through
+CHECKPOINT_CALLS = "mambac_checkpoint_calls"   # gm.meta: per torch.utils.checkpoint call traced through,
+                                               # the checkpointed submodule's path (None: another callable)
 
 
 class _CheckpointStandIn:
@@ -154,8 +155,18 @@ def trace_with(model: torch.nn.Module, concrete: dict) -> torch.fx.GraphModule:
         raise _explain(exc, tracer.failed_at or ("", type(model).__name__)) from exc
     _drop_specialisation_asserts(graph)
     gm = torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__ + "Graph")
-    gm.meta[CHECKPOINT_CALLS] = len(checkpoints)
+    gm.meta[CHECKPOINT_CALLS] = [_module_path(tracer, fn) for fn in checkpoints]
     return gm
+
+
+def _module_path(tracer: torch.fx.Tracer, function: Any) -> str | None:
+    """The path of the checkpointed submodule (``backbone.layers.3``), None for another callable."""
+    if isinstance(function, torch.nn.Module):
+        try:
+            return tracer.path_of_module(function)
+        except NameError:
+            return None
+    return None
 
 
 def _drop_specialisation_asserts(graph: torch.fx.Graph) -> None:

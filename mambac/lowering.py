@@ -112,27 +112,32 @@ def lower(model: torch.nn.Module, values: Sequence[Any], options: CompileOptions
     names = list(inspect.signature(model.forward).parameters)
     concrete = {n: None for n, v in zip(names, values) if v is None}
     gm = capture_mod.trace_with(model, concrete)
-    _say_checkpoints_are_traced_through(gm, options)
     capture_mod.propagate_shapes(gm, list(values))
     if setup is not None:
         gm.meta[PLAN], gm.meta[MESH] = setup.plan, setup.mesh
         gm.meta[GLOBAL_SHAPES] = _global_shapes(full_model, concrete, values)
         gm.meta[CP_LENGTH] = cp_length
     ctx = make_context(options, rank)
+    checkpoints = gm.meta.get(capture_mod.CHECKPOINT_CALLS) or []
     gm = run_passes(gm, ctx, pipeline_for(options))
+    if checkpoints and options.remat == "none":
+        _keep_the_models_checkpoints(gm, checkpoints, ctx)
     return Lowered(gm=gm, ctx=ctx, signature=signature_of(values))
 
 
-def _say_checkpoints_are_traced_through(gm: torch.fx.GraphModule, options: CompileOptions) -> None:
-    """A model that calls ``torch.utils.checkpoint`` without ``remat``: its calls were traced as
-    plain calls, so nothing would be recomputed; say so, with the options that recompute."""
-    calls = gm.meta.get(capture_mod.CHECKPOINT_CALLS, 0)
-    if calls and options.remat == "none":
+def _keep_the_models_checkpoints(gm: torch.fx.GraphModule, checkpoints: list, ctx) -> None:
+    """The model's own ``torch.utils.checkpoint`` calls (traced through by capture) as recompute
+    regions, where each checkpoints a submodule whose nodes stay one run (``plan_remat.
+    checkpoint_modules``); otherwise a warning that nothing is recomputed and which options do."""
+    from mambac.passes.plan_remat import checkpoint_modules
+    why = checkpoint_modules(gm, checkpoints, ctx) if None not in checkpoints else (
+        "a checkpointed function is not a submodule of the model")
+    if why:
         warnings.warn(
-            f"mambac: the model calls torch.utils.checkpoint ({calls} call(s) in one forward); mambac.compile "
-            "traces through them, so they recompute nothing and their activations are kept. Pass remat='full' "
-            "(every block recomputed in backward) or remat='auto' with a memory_budget for mambac's own "
-            "recompute.", stacklevel=4)
+            f"mambac: the model calls torch.utils.checkpoint ({len(checkpoints)} call(s) in one forward), but "
+            f"{why}, so mambac.compile traces through them: they recompute nothing and their activations are "
+            "kept. Pass remat='full' (every block recomputed in backward) or remat='auto' with a memory_budget "
+            "for mambac's own recompute.", stacklevel=4)
 
 
 def _global_shapes(model: torch.nn.Module, concrete: dict, values: Sequence[Any]) -> dict[str, tuple]:

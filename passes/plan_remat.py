@@ -410,6 +410,39 @@ def choose_full(gm: torch.fx.GraphModule) -> tuple[RegionSpec, ...]:
     return tuple(r for s in find_segments(gm) if s.kind == "block" for r in whole_regions(s))
 
 
+def checkpoint_modules(gm: torch.fx.GraphModule, paths: list[str], ctx: PassContext) -> str:
+    """Recompute each submodule the model itself checkpoints (``torch.utils.checkpoint`` calls,
+    traced through by capture; ``paths`` in call order) as one region, split at its forward
+    collectives, as 'full' does for blocks.  Returns why it could not (nothing changed then), or
+    an empty string once the regions are in."""
+    nodes = _body(gm)
+    segments = []
+    if any(q.startswith(p + ".") for p in paths for q in paths):
+        return "checkpointed modules nest"
+    for path in dict.fromkeys(paths):
+        at = [i for i, n in enumerate(nodes) if _path(n) == path or _path(n).startswith(path + ".")]
+        if not at:
+            return f"the checkpointed module '{path}' left no nodes in the lowered graph"
+        if at != list(range(at[0], at[-1] + 1)):
+            return f"the nodes of the checkpointed module '{path}' are interleaved with others"
+        segments.append(Segment(path, "block", tuple(nodes[at[0]:at[-1] + 1])))
+    if any(q.startswith(p + ".") for p in paths for q in paths):
+        return "checkpointed modules nest"
+    regions = tuple(r for seg in segments for r in whole_regions(seg))
+    model = analyse(gm)
+    plan = RematPlan(mode="checkpoint", budget=None, regions=regions, model=model, baseline=model.predict(),
+                     predicted=model.predict(regions), minimum=None)
+    apply_plan(gm, plan, ctx.verify)
+    gm.meta[MEMORY_PLAN] = plan
+    stats = ctx.stats_for(NAME)
+    stats.add("regions", len(regions))
+    stats.add("recomputed_nodes", sum(len(r.nodes) for r in regions))
+    stats.add("saved_bytes_without", plan.baseline)
+    stats.add("saved_bytes_predicted", plan.predicted)
+    gm.recompile()
+    return ""
+
+
 # ---------------------------------------------------------------------------------------------
 # the pass
 # ---------------------------------------------------------------------------------------------
