@@ -87,5 +87,32 @@ def _check(name: str, world: int) -> dict:
     return out
 
 
+def _model_checkpoints(world: int, **layout) -> dict:
+    """A model that checkpoints its own mixers (``tests/test_capture_checkpoint.py``) on ``world``
+    ranks against the same model without checkpoints, compiled alike: the recompute regions the
+    checkpoints became, whether one holds a forward collective, and whether the outputs and this
+    rank's gradients are the same."""
+    from tests.helpers import rel_err
+    from tests.test_capture_checkpoint import _Checkpointed
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for how in ("module", "none"):
+        compiled = mambac.compile(_Checkpointed(how=how), world_size=world, **layout)
+        out = compiled(x)
+        out.sum().backward()
+        runs.append((compiled, out, [p.grad for p in compiled.rank_setup.model.parameters()]))
+    (compiled, out, grads), (_, plain_out, plain_grads) = runs
+    gm = compiled.program_for(x).gm
+    plan = gm.meta[MEMORY_PLAN]
+    return {"mode": plan.mode, "regions": [r.name for r in plan.regions], "out_equal": torch.equal(out, plain_out),
+            "grads_equal": all(torch.equal(a, b) for a, b in zip(grads, plain_grads)),
+            "grad_err": max(rel_err(a, b) for a, b in zip(grads, plain_grads)),
+            "comm_in_regions": sum(communicates(n) for mod in gm.modules()
+                                   if isinstance(mod, RematRegion) for n in mod.body.graph.nodes)}
+
+
 def scenario_remat(world: int) -> dict:
-    return {name: _check(name, world) for name in LAYOUTS}
+    res = {name: _check(name, world) for name in LAYOUTS}
+    res["model_checkpoints"] = {"tp2": _model_checkpoints(world, tp=world),
+                                "cp2": _model_checkpoints(world, tp=1, cp=world)}
+    return res

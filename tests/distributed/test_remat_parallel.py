@@ -43,3 +43,14 @@ def test_collectives_are_never_recomputed(remat2, layout):
         for mode in ("full", "auto"):
             got = rank[layout][mode]
             assert got["comm_in_regions"] == 0 and got["same_comms"], (mode, got)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_a_models_own_checkpoints_become_regions_split_at_collectives(remat2, layout):
+    """A model calling torch.utils.checkpoint on its mixers: each becomes recompute regions that
+    end at the forward collectives, with the numbers of the same model without checkpoints."""
+    for rank in remat2:
+        got = rank["model_checkpoints"][layout]
+        assert got["mode"] == "checkpoint" and got["out_equal"] and got["grad_err"] <= 1e-5, got
+        assert got["comm_in_regions"] == 0 and len(got["regions"]) > 2, got   # more than one region per mixer
+        assert all(r.startswith(("remat_mix_0_part", "remat_mix_1_part")) for r in got["regions"]), got
