@@ -82,6 +82,11 @@ def compile(model: torch.nn.Module, world_size: int = 1, *, example_inputs: Sequ
     if auto:  # the planner's best layout that this version can compile (mambac/plan_auto.py)
         opts = plan_auto.resolve(model, world_size, example_inputs, options)
     _warn_if_triton_cannot_run(model, opts)
+    from mambac.backend_foreign import hf_checkpointing
+    if source is not None and hf_checkpointing(source) and opts.remat == "none":
+        warnings.warn(f"mambac: {type(source).__name__} has gradient checkpointing on; the converted model mambac "
+                      "compiles does not carry it over, so nothing would be recomputed. Pass remat='full' (every "
+                      "block recomputed in backward) or remat='auto' with a memory_budget.", stacklevel=2)
     checks = _input_checks(model, opts)
     compiled = CompiledModule(model, opts, checks, source)
     if example_inputs is None and hasattr(model, "example_inputs"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -281,13 +282,27 @@ def _swap_one(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], region: R
 _WARNED_CHECKPOINTING: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
+def hf_checkpointing(model: Any) -> bool:
+    """Whether a transformers model has gradient (activation) checkpointing on: the newer flag's
+    name first, then the older one's (deprecated since transformers 5.2x, read without its warning)."""
+    if not isinstance(model, nn.Module):
+        return False
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            value = getattr(model, name, None)
+        if isinstance(value, bool):
+            return value
+    return False
+
+
 def warn_if_gradient_checkpointing() -> bool:
     """Say once per model when the module dynamo compiles has transformers' gradient checkpointing
     on: its wrapper breaks the graph around every layer, so no mixer reaches mambac (each runs
     transformers' own PyTorch code, and nothing is fused).  Returns whether it is on."""
     tx = _compiling_frame()
     model = (getattr(tx, "f_locals", None) or {}).get("self")
-    if not isinstance(model, nn.Module) or not getattr(model, "is_gradient_checkpointing", False):
+    if not hf_checkpointing(model):
         return False
     if model not in _WARNED_CHECKPOINTING:
         _WARNED_CHECKPOINTING.add(model)

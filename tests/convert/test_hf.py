@@ -2,6 +2,8 @@
 share its parameters, and give its state dict back under HF's names."""
 import copy
 
+import warnings
+
 import pytest
 import torch
 
@@ -159,3 +161,13 @@ def test_compiled_backbone_checks_its_token_ids():
         compiled(torch.zeros(9, dtype=torch.int64))
     with pytest.raises(MambacInputError, match=r"outside \[0, 37\)"):
         compiled(torch.full((1, 3), 99))
+
+
+def test_gradient_checkpointing_of_a_transformers_model_is_named_when_compiled():
+    model = hf_model("mamba2_lm_groups").train()
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match=r"Mamba2ForCausalLM has gradient checkpointing on; .* remat='full'"):
+        mambac.compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mambac.compile(model, remat="full")
