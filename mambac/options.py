@@ -25,9 +25,10 @@ class CompileOptions:
 
     world_size: ranks the program is lowered for; tp/dp/cp: the mesh (tp defaults to
     world_size // (dp*cp)); sequence_parallel: Megatron sequence parallelism over tp; remat and
-    memory_budget (bytes, or a size such as '8GiB': ``mambac.sizes``): rematerialisation (memory_budget_scope: what the budget covers, 'activations' --
-    the bytes autograd saves for backward -- or 'step': those plus the rank's parameters, their
-    gradients and AdamW's two fp32 moments); kernels: 'auto' (Triton on CUDA, reference ops on CPU),
+    memory_budget (bytes, or a size such as '8GiB': ``mambac.sizes``): rematerialisation
+    (memory_budget_scope: what the budget covers, 'activations' -- the bytes autograd saves for
+    backward -- or 'step': those plus the rank's parameters, their gradients and AdamW's two fp32
+    moments); kernels: 'auto' (Triton on CUDA, reference ops on CPU),
     'triton' or 'reference'; output: 'full' (gathered on every rank) or 'sharded'; verify/dump_dir/
     disable_passes override the MAMBAC_VERIFY/MAMBAC_DUMP_DIR/MAMBAC_DISABLE_PASSES knobs;
     plan: per-module overrides of the default Megatron layout, ``{module path: kind}`` (kinds in
