@@ -141,7 +141,8 @@ def _say_what_was_missed(found: dict[str, str], missed: list[str], regions: set[
     foreign = sorted({found[p] for p in missed if p not in regions and found[p] in FOREIGN_MIXERS})
     own = [p for p in missed if p not in regions and found[p] in MAMBAC_MIXERS]
     if boxed:
-        hf = " (transformers' mixers as their own PyTorch code)" if any(found[p] in FOREIGN_MIXERS for p in boxed) else ""
+        hf = (" (transformers' mixers as their own PyTorch code)"
+              if any(found[p] in FOREIGN_MIXERS for p in boxed) else "")
         log.warning("mambac backend: %d mixer(s) (%s) sit inside torch.utils.checkpoint regions (gradient "
                     "checkpointing) whose sub-graphs were not lowered: they run unfused%s. Turn that checkpointing "
                     "off (transformers: model.gradient_checkpointing_disable()) and pass options={'remat': 'full'} "
