@@ -90,8 +90,7 @@ def guard_scalars(compiled: Callable, traced: torch.fx.GraphModule, baked: list[
 
 def bake(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[tuple[int, Any]], Any]:
     """``bake_scalars`` with the untouched graph kept for ``guard_scalars`` (None if nothing was baked)."""
-    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(holders) != len(example_inputs) or not any(_plain_number_tensor(e) for e in example_inputs):
+    if not any(_plain_number_tensor(e) for e in example_inputs):
         if _fold_constant_casts(gm):
             gm.recompile()
         return [], None

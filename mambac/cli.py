@@ -21,13 +21,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from mambac.errors import MambacError, MambacInputError
 from mambac.knobs import knobs
-from mambac.sizes import parse_bytes
 from mambac.cli_types import count, index, seconds
 
 
@@ -133,7 +132,7 @@ def _mesh_options(args: argparse.Namespace) -> dict:
     if args.remat != "none":
         opts["remat"] = args.remat
     if args.memory_budget:
-        opts["memory_budget"] = parse_bytes(args.memory_budget)
+        opts["memory_budget"] = args.memory_budget   # a size such as 8GiB: CompileOptions reads it
         opts["memory_budget_scope"] = args.memory_budget_scope
     return opts
 

@@ -61,10 +61,10 @@ def _batch_and_seqlen(options: dict[str, Any], example_inputs: Sequence[Any] | N
 
 
 def _device_memory(options: dict[str, Any]) -> int:
-    from mambac.autoplan import parse_bytes
+    from mambac.sizes import parse_bytes
     value = options.get("device_memory")
     if value is not None:
-        return int(parse_bytes(value))
+        return parse_bytes(value)
     if torch.cuda.is_available():
         return int(HEADROOM * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     raise MambacOptionsError("plan='auto' needs the memory of one device and there is no CUDA device to ask: "

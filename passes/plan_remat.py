@@ -410,6 +410,18 @@ def choose_full(gm: torch.fx.GraphModule) -> tuple[RegionSpec, ...]:
     return tuple(r for s in find_segments(gm) if s.kind == "block" for r in whole_regions(s))
 
 
+def install(gm: torch.fx.GraphModule, plan: RematPlan, ctx: PassContext) -> None:
+    """Put ``plan``'s regions into ``gm``, leave the plan in ``gm.meta[MEMORY_PLAN]`` and count it."""
+    apply_plan(gm, plan, ctx.verify)
+    gm.meta[MEMORY_PLAN] = plan
+    stats = ctx.stats_for(NAME)
+    stats.add("regions", len(plan.regions))
+    stats.add("recomputed_nodes", sum(len(r.nodes) for r in plan.regions))
+    stats.add("saved_bytes_without", plan.baseline)
+    stats.add("saved_bytes_predicted", plan.predicted)
+    gm.recompile()
+
+
 def checkpoint_modules(gm: torch.fx.GraphModule, paths: list[str], ctx: PassContext) -> str:
     """Recompute each submodule the model itself checkpoints (``torch.utils.checkpoint`` calls,
     traced through by capture; ``paths`` in call order) as one region, split at its forward
@@ -426,20 +438,10 @@ def checkpoint_modules(gm: torch.fx.GraphModule, paths: list[str], ctx: PassCont
         if at != list(range(at[0], at[-1] + 1)):
             return f"the nodes of the checkpointed module '{path}' are interleaved with others"
         segments.append(Segment(path, "block", tuple(nodes[at[0]:at[-1] + 1])))
-    if any(q.startswith(p + ".") for p in paths for q in paths):
-        return "checkpointed modules nest"
     regions = tuple(r for seg in segments for r in whole_regions(seg))
     model = analyse(gm)
-    plan = RematPlan(mode="checkpoint", budget=None, regions=regions, model=model, baseline=model.predict(),
-                     predicted=model.predict(regions), minimum=None)
-    apply_plan(gm, plan, ctx.verify)
-    gm.meta[MEMORY_PLAN] = plan
-    stats = ctx.stats_for(NAME)
-    stats.add("regions", len(regions))
-    stats.add("recomputed_nodes", sum(len(r.nodes) for r in regions))
-    stats.add("saved_bytes_without", plan.baseline)
-    stats.add("saved_bytes_predicted", plan.predicted)
-    gm.recompile()
+    install(gm, RematPlan(mode="checkpoint", budget=None, regions=regions, model=model, baseline=model.predict(),
+                          predicted=model.predict(regions), minimum=None), ctx)
     return ""
 
 
@@ -519,13 +521,5 @@ def plan_remat(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
     budget, fixed = activation_budget(gm, opts)
     if mode == "auto" and budget is not None:
         pin_example_sizes(gm)
-    plan = make_plan(gm, mode, budget, fixed)
-    apply_plan(gm, plan, ctx.verify)
-    gm.meta[MEMORY_PLAN] = plan
-    stats = ctx.stats_for(NAME)
-    stats.add("regions", len(plan.regions))
-    stats.add("recomputed_nodes", sum(len(r.nodes) for r in plan.regions))
-    stats.add("saved_bytes_without", plan.baseline)
-    stats.add("saved_bytes_predicted", plan.predicted)
-    gm.recompile()
+    install(gm, make_plan(gm, mode, budget, fixed), ctx)
     return gm

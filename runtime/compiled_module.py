@@ -136,9 +136,9 @@ class CompiledModule(torch.nn.Module):
         """What the compiled module does not have itself (a user model's helper methods and
         fields; for a converted model, the Hugging Face or mamba_ssm model's it was converted
         from first, such as ``generate``, ``config`` or ``save_pretrained`` in that library's
-        format, then the converted model's) is the model's own, as with ``torch.compile``: on one rank
-        they all share their parameters, and such methods run the model's own code, not the
-        lowered programs.  On several ranks the model holds unsharded parameters this rank does
+        format, then the converted model's) is the model's own, as with ``torch.compile``: on
+        one rank they all share their parameters, and such methods run the model's own code, not
+        the lowered programs.  On several ranks the model holds unsharded parameters this rank does
         not train, so its methods and modules are refused with a message instead of reading stale
         weights (plain values such as a ``config`` are passed on)."""
         try:
